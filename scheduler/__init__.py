@@ -1,7 +1,27 @@
 """Schedule IR, generators, validator and cost simulator. Pure Python: imports nothing of ours
 and no torch."""
 
+from scheduler.generators import SCHEDULES, build_schedule
 from scheduler.ir import Action, Op, Schedule
+from scheduler.lowering import Compute, Instruction, Recv, Send, lower, receive_order
+from scheduler.simulate import simulate
 from scheduler.timeline import Event, Timeline
+from scheduler.validate import validate
 
-__all__ = ["Action", "Op", "Schedule", "Event", "Timeline"]
+__all__ = [
+    "Action",
+    "Op",
+    "Schedule",
+    "Event",
+    "Timeline",
+    "SCHEDULES",
+    "build_schedule",
+    "validate",
+    "simulate",
+    "lower",
+    "receive_order",
+    "Compute",
+    "Send",
+    "Recv",
+    "Instruction",
+]

@@ -56,9 +56,17 @@ class Timeline:
             t0, step = 0.0, 0.0
         busy = sum(e.duration for e in events)
         bubble = 1.0 - busy / (self.num_ranks * step) if step > 0 else 0.0
+        by_rank: list[list[Event]] = [[] for _ in range(self.num_ranks)]
+        for e in events:
+            if not 0 <= e.rank < self.num_ranks:
+                raise ValueError(
+                    f"event {e} names rank {e.rank}, outside 0..{self.num_ranks - 1}; "
+                    "set num_ranks to cover every event's rank"
+                )
+            by_rank[e.rank].append(e)
         counts, peaks, curves = [], [], []
         for rank in range(self.num_ranks):
-            curve, peak_count, peak_amount = self._held(rank, t0)
+            curve, peak_count, peak_amount = self._held(by_rank[rank], t0)
             counts.append(peak_count)
             peaks.append(peak_amount)
             curves.append(curve)
@@ -68,12 +76,12 @@ class Timeline:
         object.__setattr__(self, "peak_memory", tuple(peaks))
         object.__setattr__(self, "memory", tuple(curves))
 
-    def _held(self, rank: int, t0: float) -> tuple[tuple[tuple[float, float], ...], int, float]:
+    def _held(
+        self, events: list[Event], t0: float
+    ) -> tuple[tuple[tuple[float, float], ...], int, float]:
         release_op = Op.W if self.splits_backward else Op.B
         deltas: list[tuple[float, int, float]] = []  # (time, +1/-1, amount); frees sort first
-        for e in self.events:
-            if e.rank != rank:
-                continue
+        for e in events:
             amount = self.activation[e.stage] if self.activation is not None else 1.0
             if e.op is Op.F:
                 deltas.append((e.start - t0, 1, amount))

@@ -1,0 +1,92 @@
+"""Predicts a Schedule's Timeline from per-stage costs: an event-driven run in which each rank
+executes its actions in order, each starting when the rank is free and its inputs have arrived."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.ir import Schedule
+from scheduler.timeline import Event, Timeline, per_stage
+from scheduler.validate import check_structure, execute
+
+Cost = float | Sequence[float]
+
+
+def _boundary_bytes(message_bytes: Cost, num_stages: int) -> tuple[float, ...]:
+    """Bytes crossing each boundary s -> s+1 (the gradient going back carries the same)."""
+    if isinstance(message_bytes, (int, float)):
+        return (float(message_bytes),) * num_stages
+    values = tuple(float(v) for v in message_bytes)
+    if len(values) not in (num_stages - 1, num_stages):
+        raise ValueError(
+            f"message_bytes has {len(values)} entries for {num_stages} stages; give a scalar or "
+            f"one value per boundary ({num_stages - 1}) or per stage ({num_stages}, last unused)"
+        )
+    return values + (0.0,) * (num_stages - len(values))
+
+
+def simulate(
+    schedule: Schedule,
+    forward: Cost,
+    backward: Cost,
+    weight: Cost = 0.0,
+    comm: float = 0.0,
+    *,
+    bandwidth: float | None = None,
+    message_bytes: Cost | None = None,
+    activation: Cost | None = None,
+) -> Timeline:
+    """Simulate one step of `schedule` and return its predicted Timeline.
+
+    Costs are scalars or one value per stage. `weight` is the W cost of a split backward; for a
+    schedule that does not split backward each B costs `backward + weight`. A cross-rank input
+    arrives `comm` after its producer ends, plus `message_bytes[s] / bandwidth` when both are
+    given (message_bytes[s]: bytes crossing boundary s -> s+1, activations forward and
+    gradients back); same-rank handoffs are free. `activation` (per stage) sizes the memory
+    curve. A schedule that cannot run raises the same ValueError as `validate`.
+    """
+    n = schedule.num_stages
+    f = per_stage(forward, n, "forward")
+    b = per_stage(backward, n, "backward")
+    w = per_stage(weight, n, "weight")
+    for what, values in (("forward", f), ("backward", b), ("weight", w)):
+        if any(v < 0 for v in values):
+            raise ValueError(f"{what} costs {values} include a negative value; costs must be >= 0")
+    if comm < 0:
+        raise ValueError(f"comm={comm} is negative; give a latency >= 0")
+    if (bandwidth is None) != (message_bytes is None):
+        raise ValueError(
+            "give both bandwidth and message_bytes (or neither) to model transfer time; "
+            f"got bandwidth={bandwidth}, message_bytes={message_bytes}"
+        )
+    if bandwidth is not None and bandwidth <= 0:
+        raise ValueError(f"bandwidth={bandwidth} must be > 0 (bytes per time unit)")
+    act = per_stage(activation, n, "activation") if activation is not None else None
+    check_structure(schedule)
+
+    if schedule.splits_backward:
+        costs = [(f[s], b[s], w[s]) for s in range(n)]
+    else:
+        costs = [(f[s], b[s] + w[s], 0.0) for s in range(n)]
+    delay = [float(comm)] * n
+    if bandwidth is not None and message_bytes is not None:
+        sizes = _boundary_bytes(message_bytes, n)
+        delay = [comm + sizes[s] / bandwidth for s in range(n)]
+
+    def latency(from_stage: int, to_stage: int, op: int) -> float:
+        # Activations cross boundary from_stage -> from_stage+1; gradients cross it backwards.
+        return delay[min(from_stage, to_stage)]
+
+    times = execute(schedule, lambda s, o: costs[s][o], latency)
+    events = tuple(
+        Event(rank, a.stage, a.op, a.microbatch, start, end)
+        for rank, acts in enumerate(schedule.actions)
+        for a, (start, end) in zip(acts, times[rank], strict=True)
+    )
+    return Timeline(
+        events=events,
+        num_ranks=schedule.num_ranks,
+        splits_backward=schedule.splits_backward,
+        name=schedule.name,
+        activation=act,
+    )
