@@ -1,0 +1,20 @@
+"""partitioner: capture a model as a networkx graph (torch.fx), profile it node by node, split it
+into balanced pipeline stages (exact min-max over a topological order) and build the stage
+modules."""
+
+from partitioner.capture import CaptureError, capture
+from partitioner.plan import Plan, partition
+from partitioner.profile import profile
+from partitioner.solver import partition_chain
+from partitioner.split import StageModule, split_model
+
+__all__ = [
+    "CaptureError",
+    "Plan",
+    "StageModule",
+    "capture",
+    "partition",
+    "partition_chain",
+    "profile",
+    "split_model",
+]

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scheduler import SCHEDULES, Schedule, Timeline, build_schedule, simulate
+from scheduler import (
+    SCHEDULES,
+    Schedule,
+    Timeline,
+    build_schedule,
+    rank_costs_to_stages,
+    simulate,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -166,32 +173,15 @@ def _simulate_all(args: argparse.Namespace) -> tuple[list[_Simulated], list[str]
             )
         timeline = simulate(
             schedule,
-            _stage_costs(args.forward, schedule, "--forward"),
-            _stage_costs(args.backward, schedule, "--backward"),
-            _stage_costs(args.weight, schedule, "--weight"),
+            rank_costs_to_stages(args.forward, schedule, "--forward"),
+            rank_costs_to_stages(args.backward, schedule, "--backward"),
+            rank_costs_to_stages(args.weight, schedule, "--weight"),
             args.comm,
             # One unit = one microbatch's activations of a rank's whole share of the model.
             activation=[1.0 / schedule.virtual_stages] * schedule.num_stages,
         )
         results.append(_Simulated(schedule, timeline))
     return results, notes
-
-
-def _stage_costs(cost: float | list[float], schedule: Schedule, what: str) -> list[float]:
-    """Per-stage costs from a per-rank cost: a rank's share of the model is split evenly over
-    its virtual stages, so schedules with different chunk counts simulate the same model.
-    A list with one value per stage is taken as it is."""
-    v = schedule.virtual_stages
-    if isinstance(cost, float):
-        return [cost / v] * schedule.num_stages
-    if len(cost) == schedule.num_stages:
-        return list(cost)
-    if len(cost) == schedule.num_ranks:
-        return [cost[rank] / v for rank in schedule.placement]
-    raise ValueError(
-        f"{what} has {len(cost)} values; {schedule.name} needs one number, one per rank "
-        f"({schedule.num_ranks}) or one per stage ({schedule.num_stages})"
-    )
 
 
 def _simulate_table(results: Sequence[_Simulated]) -> str:

@@ -4,7 +4,7 @@ and no torch."""
 from scheduler.generators import SCHEDULES, build_schedule
 from scheduler.ir import Action, Op, Schedule
 from scheduler.lowering import Compute, Instruction, Recv, Send, lower, receive_order
-from scheduler.simulate import simulate
+from scheduler.simulate import rank_costs_to_stages, simulate
 from scheduler.timeline import Event, Timeline
 from scheduler.validate import validate
 
@@ -18,6 +18,7 @@ __all__ = [
     "build_schedule",
     "validate",
     "simulate",
+    "rank_costs_to_stages",
     "lower",
     "receive_order",
     "Compute",

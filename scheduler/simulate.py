@@ -90,3 +90,21 @@ def simulate(
         name=schedule.name,
         activation=act,
     )
+
+
+def rank_costs_to_stages(cost: Cost, schedule: Schedule, what: str = "cost") -> list[float]:
+    """Per-stage costs from per-rank costs: a rank's share of the model is split evenly over its
+    virtual stages, so schedules with different chunk counts simulate the same model. A scalar
+    is one rank's cost; a sequence with one value per stage is taken as it is."""
+    v = schedule.virtual_stages
+    if isinstance(cost, (int, float)):
+        return [float(cost) / v] * schedule.num_stages
+    values = [float(c) for c in cost]
+    if len(values) == schedule.num_stages:
+        return values
+    if len(values) == schedule.num_ranks:
+        return [values[rank] / v for rank in schedule.placement]
+    raise ValueError(
+        f"{what} has {len(values)} values; {schedule.name} needs one number, one per rank "
+        f"({schedule.num_ranks}) or one per stage ({schedule.num_stages})"
+    )

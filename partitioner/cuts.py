@@ -1,0 +1,64 @@
+"""What crosses each cut of a captured graph: the live range of every value along the graph's
+topological order, and from it the bytes and tensor-ness of each possible cut."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+from torch import fx
+
+
+@dataclass(frozen=True)
+class Span:
+    """A value defined at position `start` (-1 for a model input) and last used at position
+    `end` (n for the model's output). It crosses cut c (between positions c-1 and c) when
+    start < c <= end."""
+
+    name: str
+    start: int
+    end: int
+    bytes: int
+    tensor: bool
+
+
+def spans(graph: nx.DiGraph) -> list[Span]:
+    """Live ranges of every value that would have to be sent across a cut, in definition
+    order. get_attr values (parameters, constants) are re-read by each stage that uses them, so
+    they never cross."""
+    gm: fx.GraphModule = graph.graph["graph_module"]
+    n = len(graph.graph["order"])
+    meta = graph.graph["input_meta"]
+    result: list[Span] = []
+    for node in gm.graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        if node.op == "placeholder":
+            start, size, tensor = -1, meta[node.name]["bytes"], meta[node.name]["tensor"]
+        else:
+            attrs = graph.nodes[node.name]
+            start, size, tensor = attrs["index"], attrs["bytes"], attrs["tensor"]
+        uses = [n if u.op == "output" else graph.nodes[u.name]["index"] for u in node.users]
+        result.append(Span(node.name, start, max(uses, default=start), size, tensor))
+    return result
+
+
+def live_at(all_spans: list[Span], cut: int) -> list[Span]:
+    """Values crossing cut `cut`, in definition order (the order stages pass them on)."""
+    return [s for s in all_spans if s.start < cut <= s.end]
+
+
+def cut_arrays(all_spans: list[Span], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every cut 0..n: the bytes crossing it, and whether everything crossing is a tensor
+    (cuts are only allowed there). Difference arrays over the live ranges: O(n + values)."""
+    size = np.zeros(n + 2)
+    bad = np.zeros(n + 2, dtype=np.int64)
+    for s in all_spans:
+        if s.end > s.start:
+            size[s.start + 1] += s.bytes
+            size[s.end + 1] -= s.bytes
+            if not s.tensor:
+                bad[s.start + 1] += 1
+                bad[s.end + 1] -= 1
+    return np.cumsum(size)[: n + 1], np.cumsum(bad)[: n + 1] == 0

@@ -1,0 +1,178 @@
+"""Measure a captured graph node by node: forward time, backward time (split into input-grad and
+weight-grad time where a node has both), and the activation bytes autograd keeps for backward.
+
+Each node is run on its real inputs from one pass over the example input, after `warmup` runs,
+`repeats` times; the median is kept. Everything happens in a sandbox (see `sandbox.py`), so the
+model's parameters, buffers, .training flags and RNG state are unchanged afterwards."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from partitioner.sandbox import sandbox
+
+Progress = Callable[[int, int, str], None]
+
+
+class _Clock:
+    """Times a callable on CPU (perf_counter) or CUDA (events, synchronised)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+
+
+def _stderr_progress() -> Progress:
+    """Print a line to stderr at most every 2 s, so only long profiles show progress."""
+    last = [time.monotonic()]
+
+    def report(done: int, total: int, name: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 2.0:
+            last[0] = now
+            print(f"profiling {done}/{total} nodes ({name})", file=sys.stderr, flush=True)
+
+    return report
+
+
+def _fresh(value: Any) -> Any:
+    """Clone tensors so in-place ops in a repeated node never change the values it reads."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+class _Profiler(fx.Interpreter):
+    def __init__(
+        self, gm: fx.GraphModule, clock: _Clock, repeats: int, warmup: int, progress: Progress
+    ) -> None:
+        super().__init__(gm)
+        self.clock = clock
+        self.repeats = repeats
+        self.warmup = warmup
+        self.progress = progress
+        self.total = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+        self.done = 0
+        self.params = {p.data_ptr() for p in gm.parameters()}
+        self.results: dict[str, dict[str, float]] = {}
+
+    def _median(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        return statistics.median(self.clock(fn) for _ in range(self.repeats))
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        run = getattr(self, n.op)
+        with torch.no_grad():
+            result = run(n.target, args, kwargs)
+            forward = self._median(lambda: run(n.target, *_fresh((args, kwargs))))
+        stats = {"forward_time": forward, "backward_time": 0.0, "activation_bytes": 0.0}
+        stats.update(self._backward(n, run, args, kwargs))
+        self.results[n.name] = stats
+        self.done += 1
+        self.progress(self.done, self.total, n.name)
+        return result
+
+    def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, float]:
+        leaves: list[torch.Tensor] = []
+
+        def as_leaf(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                leaf = t.detach().requires_grad_()
+                leaves.append(leaf)
+                return leaf.clone()  # a non-leaf copy, so in-place ops in the node are legal
+            return t
+
+        weights = []
+        if n.op == "call_module":
+            sub = self.fetch_attr(str(n.target))
+            weights = [p for p in sub.parameters() if p.requires_grad]
+        saved: dict[tuple[int, int], int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in self.params:
+                saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            a, kw = tree_map(as_leaf, (args, kwargs))
+            out = run(n.target, a, kw)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        stats: dict[str, float] = {"activation_bytes": float(sum(saved.values()))}
+        if not outs or not (leaves or weights):
+            return stats
+        grads = [torch.ones_like(t) for t in outs]
+
+        def grad_of(wrt: list[torch.Tensor]) -> Callable[[], Any]:
+            return lambda: torch.autograd.grad(
+                outs, wrt, grads, retain_graph=True, allow_unused=True
+            )
+
+        stats["backward_time"] = self._median(grad_of(leaves + weights))
+        if leaves and weights:
+            stats["input_grad_time"] = self._median(grad_of(leaves))
+            stats["weight_grad_time"] = self._median(grad_of(weights))
+        return stats
+
+
+def profile(
+    graph: nx.DiGraph,
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    warmup: int = 1,
+    progress: Progress | None = None,
+) -> None:
+    """Add forward_time, backward_time (s), input_grad_time/weight_grad_time (where a node has
+    both inputs and weights) and activation_bytes to every node of a `capture`d graph.
+
+    `model` is the model the graph was captured from (its state is sandboxed). On a `device`
+    other than the model's, a copy is measured there. `progress(done, total, node)` is called
+    after each node; by default a line goes to stderr every 2 s for long profiles."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
+        )
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            f"example_inputs must be a tuple, got {type(example_inputs).__name__}; wrap as (x,)"
+        )
+    target = torch.device(device)
+    gm: fx.GraphModule = graph.graph["graph_module"]
+    current = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    same = current.type == target.type and target.index in (None, current.index)
+    with sandbox(model):
+        if not same:
+            gm = copy.deepcopy(gm).to(target)
+            example_inputs = tree_map(
+                lambda t: t.to(target) if isinstance(t, torch.Tensor) else t, example_inputs
+            )
+        profiler = _Profiler(gm, _Clock(target), repeats, warmup, progress or _stderr_progress())
+        profiler.run(*example_inputs)
+    for name, stats in profiler.results.items():
+        graph.nodes[name].update(stats)
