@@ -1,0 +1,341 @@
+"""Pipeline failures and bad input: a worker error reaches the caller with its own traceback,
+cancels the other workers, leaves no thread and no half-applied gradient, and the next step
+works; bad arguments raise ValueError/TypeError naming the value and the fix. Also proves the
+ranks really run concurrently (a rendezvous a serial executor could never pass)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline import Pipeline
+
+ATOL = 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hybridpipe-")]
+
+
+class BoomError(RuntimeError):
+    pass
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise BoomError("boom in backward")
+
+
+class Boom(nn.Module):
+    """Identity that, once armed, fails in forward or backward on its `at`-th call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = ""
+        self.at = 0
+        self.calls = 0
+
+    def arm(self, mode: str, at: int) -> None:
+        self.mode, self.at, self.calls = mode, at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.mode and self.calls == self.at:
+            if self.mode == "forward":
+                raise BoomError("boom in forward")
+            return _FailBackward.apply(x)
+        return x
+
+
+def _model(boom: Boom) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), boom, nn.Tanh(), nn.Linear(6, 3)
+    ).double()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 3), ("zb-h1", 2), ("zbv", 2)])
+def test_worker_error_reaches_caller_and_pipeline_recovers(
+    mode: str, schedule: str, stages: int
+) -> None:
+    boom = Boom()
+    model = _model(boom)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,))
+    pipe = Pipeline(
+        model,
+        stages,
+        schedule=schedule,
+        microbatches=4,
+        balance="uniform",
+        loss_fn=nn.CrossEntropyLoss(),
+        leaf_modules=(Boom,),
+        timeout=120.0,
+    )
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)  # grads from an earlier step, to be kept as they are
+    boom.arm(mode, at=2)
+    with pytest.raises(BoomError, match=f"boom in {mode}") as info:
+        pipe.step(x, y)
+    # The worker's own frames are in the traceback, and the note says which rank failed.
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert ("forward" if mode == "forward" else "backward") in frames
+    assert any("pipeline rank" in note for note in info.value.__notes__)
+    assert _pipeline_threads() == []
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.full_like(p, 7.0)), name
+    # The next step works and is exact.
+    boom.arm("", 0)
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)
+    expected = nn.CrossEntropyLoss()(ref(x), y)
+    expected.backward()
+    loss = pipe.step(x, y)
+    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=0)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0)
+    assert _pipeline_threads() == []
+
+
+@pytest.mark.timeout(60)
+def test_loss_fn_error_reaches_caller() -> None:
+    calls = []
+
+    def flaky_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise BoomError("boom in loss")
+        return F.cross_entropy(out, target)
+
+    model = _model(Boom())
+    pipe = Pipeline(model, 2, microbatches=4, balance="uniform", loss_fn=flaky_loss)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with pytest.raises(BoomError, match="boom in loss"):
+        pipe.step(x, y)
+    assert _pipeline_threads() == []
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.isfinite(pipe.step(x, y))
+
+
+class Rendezvous(nn.Module):
+    """Stage 0 blocks on microbatch 1 until stage 1 has started microbatch 0: a serial executor
+    would time out here, only concurrent ranks pass."""
+
+    def __init__(self, role: str, met: threading.Event) -> None:
+        super().__init__()
+        self.role, self.met, self.armed, self.calls = role, met, False, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.calls += 1
+            if self.role == "second":
+                self.met.set()
+            elif self.calls == 2 and not self.met.wait(timeout=20.0):
+                raise TimeoutError("stage 1 never started while stage 0 was running")
+        return x * 1.0
+
+
+@pytest.mark.timeout(60)
+def test_ranks_run_concurrently() -> None:
+    met = threading.Event()
+    first, second = Rendezvous("first", met), Rendezvous("second", met)
+    model = nn.Sequential(nn.Linear(4, 4), first, second, nn.Linear(4, 2)).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    pipe = Pipeline(
+        model,
+        2,
+        schedule="gpipe",
+        microbatches=4,
+        balance=[2, 2],
+        loss_fn=F.mse_loss,
+        leaf_modules=(Rendezvous,),
+        example_input=x,
+    )
+    first.armed = second.armed = True
+    pipe.step(x, torch.zeros(4, 2, dtype=torch.float64))
+    assert met.is_set()
+    assert pipe.trace is not None
+    ranks_of_f = {(e.rank, e.microbatch) for e in pipe.trace.events if e.op.value == "F"}
+    assert ranks_of_f == {(r, m) for r in range(2) for m in range(4)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def test_batch_smaller_than_microbatches() -> None:
+    pipe = Pipeline(_mlp(), 2, microbatches=4, loss_fn=F.mse_loss, balance="uniform")
+    with pytest.raises(ValueError, match=r"batch size 3 is smaller than the microbatch count 4"):
+        pipe.step(torch.randn(3, 4), torch.randn(3, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"microbatches": 0}, ValueError, r"microbatches must be >= 1, got 0"),
+        ({"microbatches": 2.5}, TypeError, r"microbatches must be an int, got 2\.5"),
+        ({"stages": 0}, ValueError, r"stages must be >= 1, got 0"),
+        ({"schedule": "pipedream"}, ValueError, r"'pipedream'.*'1f1b'.*'gpipe'"),
+        ({"schedule": "zbv", "virtual_stages": 3, "microbatches": 4}, ValueError, r"zbv"),
+        (
+            {"schedule": "interleaved-1f1b", "microbatches": 3},
+            ValueError,
+            r"multiple of ranks.*microbatches=3",
+        ),
+        ({"devices": ["cpu"]}, ValueError, r"1 device\(s\) \['cpu'\] for stages=2"),
+        ({"devices": ["cpu", "cpu", "cpu"]}, ValueError, r"3 devices .* but stages=2"),
+        ({"devices": ["cpu", "cuda:7"]}, ValueError, r"'cuda:7' does not exist"),
+        ({"devices": ["cpu", "warp-drive"]}, ValueError, r"'warp-drive' is not a device name"),
+        ({"devices": "cpu"}, TypeError, r"list of devices"),
+        ({"data_parallel": 2}, ValueError, r"data_parallel=2 needs the distributed executor"),
+        ({"timeout": 0}, ValueError, r"timeout must be > 0"),
+        ({"schedule": 3}, TypeError, r"schedule must be a name, a path or a scheduler"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs: dict[str, Any], error: type, pattern: str) -> None:
+    args = {"stages": 2, "loss_fn": F.mse_loss, "balance": "uniform", **kwargs}
+    stages = args.pop("stages")
+    with pytest.raises(error, match=pattern):
+        Pipeline(_mlp(), stages, **args)
+
+
+def test_model_not_a_module() -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module, got function"):
+        Pipeline(lambda x: x, 2)  # type: ignore[arg-type]
+
+
+def test_step_without_loss_fn() -> None:
+    pipe = Pipeline(_mlp(), 2, microbatches=2, balance="uniform")
+    with pytest.raises(ValueError, match="needs a loss: pass loss_fn="):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 2))
+
+
+def test_targets_batch_size_differs() -> None:
+    pipe = Pipeline(_mlp(), 2, microbatches=2, loss_fn=F.mse_loss, balance="uniform")
+    with pytest.raises(ValueError, match="targets have batch size 5 but inputs have 4"):
+        pipe.step(torch.randn(4, 4), torch.randn(5, 2))
+
+
+def test_inputs_of_different_batch_sizes() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + z)
+
+    pipe = Pipeline(Two(), 2, microbatches=2, loss_fn=F.mse_loss, balance="uniform")
+    with pytest.raises(ValueError, match=r"different batch sizes .*4.*6"):
+        pipe.step((torch.randn(4, 4), torch.randn(6, 4)), torch.randn(4, 2))
+    with pytest.raises(ValueError, match=r"\['w'\] are not arguments of Two.forward"):
+        pipe.step({"x": torch.randn(4, 4), "w": torch.randn(4, 4)}, torch.randn(4, 2))
+    with pytest.raises(TypeError, match="inputs\\[1\\] is a str"):
+        pipe.step((torch.randn(4, 4), "z"), torch.randn(4, 2))
+
+
+def test_stage_output_not_tensors() -> None:
+    class Labelled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+            return self.b(self.a(x)), "label"
+
+    pipe = Pipeline(
+        Labelled(),
+        2,
+        microbatches=2,
+        balance="uniform",
+        loss_fn=lambda out, y: F.mse_loss(out[0], y),
+    )
+    with pytest.raises(TypeError, match=r"stage 1 output\[1\] is a str.*return a tensor"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+    assert _pipeline_threads() == []
+
+
+def test_more_stages_than_model_nodes() -> None:
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+        3,
+        microbatches=3,
+        loss_fn=F.mse_loss,
+        balance="uniform",
+    )
+    with pytest.raises(ValueError, match=r"3.*2"):
+        pipe.step(torch.randn(6, 4), torch.randn(6, 2))
+
+
+def test_custom_schedule_file_that_deadlocks(tmp_path: Path) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_text("0F0 0B0\n1B0 1F0\n")
+    with pytest.raises(ValueError, match=r"(?s)deadlock.*1B0"):
+        Pipeline(_mlp(), 2, schedule=path, loss_fn=F.mse_loss, balance="uniform")
+
+
+def test_custom_schedule_rank_count_mismatch() -> None:
+    from scheduler import build_schedule
+
+    schedule = build_schedule("1f1b", 3, 3)
+    with pytest.raises(ValueError, match="has 3 ranks but stages=2"):
+        Pipeline(_mlp(), 2, schedule=schedule, loss_fn=F.mse_loss, balance="uniform")
+    with pytest.raises(ValueError, match="runs 3 microbatches but microbatches=4"):
+        Pipeline(_mlp(), 3, schedule=schedule, microbatches=4, loss_fn=F.mse_loss)
+
+
+def test_plan_and_schedule_before_first_batch_explain() -> None:
+    pipe = Pipeline(_mlp(), 2, loss_fn=F.mse_loss, balance="uniform")
+    with pytest.raises(RuntimeError, match="microbatches=... or example_input="):
+        _ = pipe.schedule
+    with pytest.raises(RuntimeError, match="example_input="):
+        _ = pipe.plan
+
+
+def test_balance_list_not_matching_node_count() -> None:
+    with pytest.raises(ValueError, match=r"balance \[2, 2\] sums to 4 but the graph has 5 nodes"):
+        Pipeline(_mlp(), 2, microbatches=2, balance=[2, 2], example_input=torch.randn(4, 4))
+
+
+def test_untraceable_model_names_the_way_out() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.sum() > 0:  # data-dependent control flow: fx cannot trace it
+                h = -h
+            return self.b(h)
+
+    with pytest.raises(ValueError, match=r"could not trace .*Branchy.*leaf_modules"):
+        Pipeline(Branchy(), 2, microbatches=2, balance="uniform", example_input=torch.randn(4, 4))
