@@ -1,7 +1,7 @@
-"""The `hybridpipe` command line: `simulate` (compare schedules on a cost model and draw them)
-and `profile` (capture, profile and auto-balance a model into stages). Each subcommand is one
-`_add_<name>(subparsers)` function listed in `_COMMANDS`, which declares its arguments and the
-function that runs it."""
+"""The `hybridpipe` command line: `simulate` (compare schedules on a cost model and draw them),
+`profile` (capture, profile and auto-balance a model into stages) and `demo` (the main job).
+Each subcommand is one `_add_<name>(subparsers)` function listed in `_COMMANDS`, which declares
+its arguments and the function that runs it."""
 
 from __future__ import annotations
 
@@ -483,9 +483,63 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+# -------------------------------------------------------------------------------------- demo
+
+
+def _add_demo(subparsers: Any) -> None:
+    from pipeline.demo import DemoConfig
+
+    defaults = DemoConfig()
+    parser = subparsers.add_parser(
+        "demo",
+        help="the main job: profile, balance, simulate and train a small GPT on CPU",
+        description=(
+            "Build a small GPT-style model, profile and auto-balance it into pipeline stages,\n"
+            "compare the schedules in simulation, train it through Pipeline on the Python\n"
+            "standard library's source text and write pictures, a Chrome trace and a report."
+        ),
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--out", default="out", help="folder for the pictures, trace and report")
+    parser.add_argument(
+        "--steps", type=_positive_int, default=defaults.steps, help="training steps"
+    )
+    parser.add_argument(
+        "--stages",
+        type=_positive_int,
+        default=defaults.stages,
+        help="pipeline ranks (one worker thread each)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default=defaults.schedule,
+        help="schedule to train with",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=defaults.microbatches,
+        help="microbatches per step",
+    )
+    parser.set_defaults(run=_run_demo, parser=parser)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import DemoConfig, run_main
+
+    config = DemoConfig(
+        steps=args.steps,
+        stages=args.stages,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+    )
+    return run_main(args.out, config)
+
+
 # -------------------------------------------------------------------------------------- main
 
-_COMMANDS: tuple[Callable[[Any], None], ...] = (_add_simulate, _add_profile)
+_COMMANDS: tuple[Callable[[Any], None], ...] = (_add_simulate, _add_profile, _add_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
