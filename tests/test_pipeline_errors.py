@@ -21,14 +21,6 @@ from pipeline import Pipeline
 ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _pipeline_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("hybridpipe-")]
 

@@ -28,14 +28,6 @@ from scheduler import Op, Schedule, build_schedule
 ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Stage(nn.Module):
     """Chain-form stage over a slice of a Sequential (StageModule contract)."""
 

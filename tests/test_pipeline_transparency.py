@@ -96,16 +96,6 @@ def _skipnet() -> Case:
 MODELS = {"gpt": _gpt, "resnet18": _resnet, "skipnet": _skipnet}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Any:
-    # Worker threads already run ranks in parallel; torch's own pool on top oversubscribes
-    # the small shared CPU (a 10x slowdown when the machine is busy).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def cases() -> dict[str, Case]:
     return {name: make() for name, make in MODELS.items()}
