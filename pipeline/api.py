@@ -1,27 +1,32 @@
 """`Pipeline`: the user-facing call. It captures and partitions the model (partitioner), builds
 or validates the schedule (scheduler), places stages on devices, splits batches into
-microbatches and hands each step to an executor (local threads here)."""
+microbatches and hands each step to an executor (local threads, or one process
+per rank under torchrun)."""
 
 from __future__ import annotations
 
 import inspect
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from partitioner import Plan, StageModule, capture, partition, profile, split_model
+from pipeline import checkpoint
+from pipeline.distributed import DistContext, DistributedExecutor, agree, resolve_timeout
 from pipeline.local import LocalExecutor
 from pipeline.runtime import (
     Batch,
     Executor,
     LossFn,
+    StepResult,
     batch_size,
     merge_microbatches,
     microbatch_sizes,
@@ -130,9 +135,21 @@ class Pipeline:
       split-backward (zero-bubble) schedule, every stage but the first recomputes twice, once
       for B and once for W (torch's checkpoint recomputes once per backward call), and W
       re-walks the input-grad path (see pipeline.runtime).
-    - ``timeout``: seconds any wait for a tensor may take before the step fails.
+    - ``timeout``: seconds any wait for a tensor may take before the step fails (default
+      $HYBRIDPIPE_TIMEOUT, else 120).
     - ``leaf_modules``: module classes fx keeps whole when capturing (see partitioner.capture).
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
+
+    Under torchrun (torch.distributed initialised) the same call runs one pipeline rank per
+    process with ``data_parallel`` (default world_size // stages) replicas; see
+    pipeline.distributed for the rank layout, the timeout and multi-node launch. Every process
+    makes the same calls; each passes its replica's batch to ``step`` (a process that holds
+    neither stage 0 nor the last stage may pass None for both, the first-stage process may pass
+    None for targets and the last-stage one None for inputs). Global rank 0 makes the plan and
+    the others follow it; each process keeps only its own stages' parameters (the others are
+    emptied), and ``parameters()`` / ``named_parameters()`` yield those. ``step`` returns the
+    mean loss over replicas on every process; ``pipe(x)`` returns the output on the processes
+    holding the last stage and None elsewhere.
 
     Loss and gradients: ``step(x, y)`` applies ``loss_fn(output_m, y_m) * n_m / n`` to each
     microbatch m (n_m samples of n), so with a mean-reduced loss the summed gradients equal
@@ -169,7 +186,7 @@ class Pipeline:
         virtual_stages: int | None = None,
         checkpoint_activations: bool = False,
         data_parallel: int | None = None,
-        timeout: float = 120.0,
+        timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -180,19 +197,33 @@ class Pipeline:
             _check_int(microbatches, "microbatches", 1, "split each batch into at least 1")
         if virtual_stages is not None:
             _check_int(virtual_stages, "virtual_stages", 1, "give model chunks per rank")
-        if data_parallel not in (None, 1):
+        if data_parallel not in (None, 1) and not dist.is_initialized():
             raise ValueError(
                 f"data_parallel={data_parallel} needs the distributed executor: launch with "
                 "torchrun (torch.distributed initialised), or drop data_parallel"
             )
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.loss_fn = loss_fn
         self.balance = balance
         self.checkpoint_activations = checkpoint_activations
-        self.timeout = float(timeout)
+        self.timeout = resolve_timeout(timeout)
         self.leaf_modules = leaf_modules
-        self.devices = resolve_devices(devices, self.stages)
+        self._dist: DistContext | None = None
+        if dist.is_initialized():
+            if devices is not None:
+                raise ValueError(
+                    f"devices={devices!r} cannot be used under torch.distributed: each process "
+                    "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
+                )
+            self._dist = DistContext(self.stages, data_parallel, timeout=self.timeout)
+            self.devices = [self._dist.device] * self.stages
+        else:
+            self.devices = resolve_devices(devices, self.stages)
+        self._spec = checkpoint.model_spec(model)
+        self._dist_executor: DistributedExecutor | None = None
         self.microbatches: int | None = microbatches
         self._schedule_spec = schedule
         self._virtual_stages = virtual_stages
@@ -290,8 +321,12 @@ class Pipeline:
             f"inputs must be a tensor or a tuple/dict of tensors, got {type(x).__name__}"
         )
 
-    def _setup(self, args: tuple[Any, ...]) -> Executor:
+    def _setup(self, args: tuple[Any, ...] | None) -> Executor:
         """Make the plan, stage modules and executor from one batch of inputs."""
+        if self._dist is not None:
+            return self._setup_distributed(self._dist, args)
+        if args is None:
+            raise ValueError("the first step/forward needs a batch of inputs; got None")
         size = batch_size(args, "inputs")
         if self.microbatches is None:
             self.microbatches = min(2 * self.stages, size)
@@ -327,14 +362,124 @@ class Pipeline:
             timeout=self.timeout,
         )
 
-    def _ready(self, args: tuple[Any, ...]) -> Executor:
+    def _setup_distributed(
+        self, ctx: DistContext, args: tuple[Any, ...] | None
+    ) -> DistributedExecutor:
+        """Global rank 0 picks the microbatch count and the plan from its batch; every process
+        captures the same example, keeps its own stages and empties the others' tensors."""
+        with ctx.guard("setup"):
+            return self._setup_distributed_guarded(ctx, args)
+
+    def _setup_distributed_guarded(
+        self, ctx: DistContext, args: tuple[Any, ...] | None
+    ) -> DistributedExecutor:
+        offer = None
+        if dist.get_rank() == 0:
+            if args is None:
+                raise ValueError(
+                    "global rank 0 holds stage 0 and makes the plan: pass it this replica's "
+                    "inputs (or example_input=...)"
+                )
+            size = batch_size(args, "inputs")
+            m = self.microbatches if self.microbatches is not None else min(2 * self.stages, size)
+            first = split_microbatches(args, m, "inputs")[0]
+            offer = (m, tuple(
+                a if isinstance(a, Tensor) and a.is_meta else _to_device(a, torch.device("cpu"))
+                for a in first
+            ))
+        m, example = agree(offer)
+        if self.microbatches is None:
+            self.microbatches = m
+            log.info("hybridpipe: using microbatches=%d", m)
+        if self._schedule is None:
+            self._schedule = self._build_schedule(self.microbatches)
+        schedule = self._schedule
+        graph = capture(self.module, example, leaf_modules=self.leaf_modules)
+        plan = None
+        if dist.get_rank() == 0:
+            if self.balance == "profile":
+                profile(graph, self.module, example, device=ctx.device)
+            plan = partition(graph, schedule.num_stages, self.balance)
+        plan = agree(plan)
+        modules = split_model(graph, plan)
+        mine = {s: modules[s] for s in schedule.stages_of(ctx.layout.pp_rank)}
+        kept = {id(t) for mod in mine.values() for t in (*mod.parameters(), *mod.buffers())}
+        with torch.no_grad():
+            for t in (*self.module.parameters(), *self.module.buffers()):
+                if id(t) not in kept:  # another process's stage: free its memory
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._plan, self._captured = plan, (graph, example)
+        self._stage_modules = [mine[s] for s in sorted(mine)]
+        return self._make_distributed_executor(ctx)
+
+    def _make_distributed_executor(self, ctx: DistContext) -> DistributedExecutor:
+        """(Re)build this process's executor over its stage modules; meta stages (a model
+        built on the meta device) stay there until load_state_dict gives them weights."""
+        mine = self._held()
+        for module in mine.values():
+            if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                module.to(ctx.device)
+        executor = DistributedExecutor(
+            self.schedule, mine, ctx, loss_fn=self.loss_fn,
+            checkpoint_activations=self.checkpoint_activations,
+        )
+        self._executor = self._dist_executor = executor
+        return executor
+
+    def _ready_distributed(self, ctx: DistContext, args: tuple[Any, ...] | None
+                           ) -> DistributedExecutor:
+        if self._dist_executor is None:
+            return self._setup_distributed(ctx, args)
+        return self._dist_executor
+
+    def _distributed_step(self, ctx: DistContext, x: Batch | None, y: Batch | None
+                          ) -> Callable[[], StepResult]:
+        """This process's share of a step: inputs if it holds stage 0, targets and loss weights
+        if it holds the last stage (the others may be None)."""
+        args = None if x is None else self._as_args(x)
+        executor = self._ready_distributed(ctx, args)
+        schedule = self.schedule
+        m = schedule.num_microbatches
+        first, last = self.holds_first_stage, self.holds_last_stage
+        if first and args is None:
+            raise ValueError(
+                f"{ctx.layout.describe()} holds stage 0: pass its replica's inputs "
+                "to step"
+            )
+        if last and y is None:
+            raise ValueError(
+                f"{ctx.layout.describe()} holds the last stage: pass its replica's "
+                "targets to step"
+            )
+        n = batch_size(args, "inputs") if args is not None else None
+        if y is not None:
+            n_targets = batch_size(y, "targets")
+            if n is not None and n_targets != n:
+                raise ValueError(
+                    f"targets have batch size {n_targets} but inputs have {n}; give one target "
+                    "per input sample (dim 0 of both must match)"
+                )
+            n = n_targets
+        device = self.devices[0]
+        inputs = (
+            [tuple(_to_device(a, device)) for a in split_microbatches(args, m, "inputs")]
+            if first and args is not None else None
+        )
+        targets = (
+            [_to_device(t, device) for t in split_microbatches(y, m, "targets")]
+            if last and y is not None else None
+        )
+        weights = [k / n for k in microbatch_sizes(n, m)] if last and n is not None else []
+        return lambda: executor.run_step(inputs, targets, weights)
+
+    def _ready(self, args: tuple[Any, ...] | None) -> Executor:
         if self._executor is None:
             return self._setup(args)
         return self._executor
 
     # -- running ----------------------------------------------------------------------------------
 
-    def step(self, x: Batch, y: Batch) -> Tensor:
+    def step(self, x: Batch | None, y: Batch | None) -> Tensor:
         """Forward and backward over all microbatches of batch `x` with targets `y`.
 
         Gradients accumulate into the parameters' ``.grad`` (call the optimizer after). Returns
@@ -347,30 +492,41 @@ class Pipeline:
                 "Pipeline.step needs a loss: pass loss_fn=... (e.g. nn.CrossEntropyLoss()) when "
                 "building the Pipeline, or call pipe(x) for forward only"
             )
-        args = self._as_args(x)
-        n = batch_size(args, "inputs")
-        n_targets = batch_size(y, "targets")
-        if n_targets != n:
-            raise ValueError(
-                f"targets have batch size {n_targets} but inputs have {n}; give one target per "
-                "input sample (dim 0 of both must match)"
-            )
-        executor = self._ready(args)
-        schedule = self.schedule
-        m = schedule.num_microbatches
-        xs = split_microbatches(args, m, "inputs")
-        ys = split_microbatches(y, m, "targets")
-        first = self.devices[schedule.placement[0]]
-        last = self.devices[schedule.placement[-1]]
-        inputs = [tuple(_to_device(a, first)) for a in xs]
-        targets = [_to_device(t, last) for t in ys]
-        weights = [k / n for k in microbatch_sizes(n, m)]
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        run: Callable[[], StepResult]
+        if self._dist is not None:
+            run = self._distributed_step(self._dist, x, y)
+        else:
+            if x is None or y is None:
+                raise ValueError("step needs inputs and targets; got None")
+            args = self._as_args(x)
+            n = batch_size(args, "inputs")
+            n_targets = batch_size(y, "targets")
+            if n_targets != n:
+                raise ValueError(
+                    f"targets have batch size {n_targets} but inputs have {n}; give one target "
+                    "per input sample (dim 0 of both must match)"
+                )
+            executor = self._ready(args)
+            schedule = self.schedule
+            m = schedule.num_microbatches
+            xs = split_microbatches(args, m, "inputs")
+            ys = split_microbatches(y, m, "targets")
+            first = self.devices[schedule.placement[0]]
+            last = self.devices[schedule.placement[-1]]
+            inputs = [tuple(_to_device(a, first)) for a in xs]
+            targets = [_to_device(t, last) for t in ys]
+            weights = [k / n for k in microbatch_sizes(n, m)]
+            local = executor
+
+            def run() -> StepResult:
+                return local.run_step(inputs, targets, weights)
+
+        params = [p for p in self.parameters() if p.requires_grad]
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            result = executor.run_step(inputs, targets, weights)
+            result = run()
         except BaseException:
             for p, g in zip(params, before, strict=True):
                 p.grad = g
@@ -383,10 +539,26 @@ class Pipeline:
             raise RuntimeError("the executor returned no loss from the last stage")
         return result.loss
 
-    def forward(self, x: Batch) -> Any:
+    def forward(self, x: Batch | None) -> Any:
         """Forward only, microbatched like `step` (fewer microbatches if the batch is smaller);
         equals ``model(x)``. Under ``torch.no_grad()`` no graph is kept; otherwise the output
         stays connected to the parameters (a backward through it runs unpipelined)."""
+        if self._dist is not None:
+            dargs = None if x is None else self._as_args(x)
+            dexec = self._ready_distributed(self._dist, dargs)
+            xs_d = None
+            if self.holds_first_stage:
+                if dargs is None:
+                    raise ValueError("this process holds stage 0: pass its replica's inputs")
+                m = min(self.schedule.num_microbatches, batch_size(dargs, "inputs"))
+                xs_d = [
+                    tuple(_to_device(a, self.devices[0]))
+                    for a in split_microbatches(dargs, m, "inputs")
+                ]
+            outputs = dexec.forward(xs_d)
+            return merge_microbatches(outputs) if self.holds_last_stage else None
+        if x is None:
+            raise ValueError("forward needs inputs; got None")
         args = self._as_args(x)
         n = batch_size(args, "inputs")
         executor = self._ready(args)
@@ -474,14 +646,90 @@ class Pipeline:
     # -- module-like helpers ----------------------------------------------------------------------
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The model's parameters (the stages share them)."""
-        return self.module.parameters(recurse)
+        """The model's parameters (the stages share them); under torch.distributed, once set
+        up, only this process's stages' parameters."""
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's parameters under their original names."""
-        return self.module.named_parameters(prefix, recurse)
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[
+        tuple[str, nn.Parameter]
+    ]:
+        """The model's parameters under their original names (this process's, as above)."""
+        if self._dist is None or not self._stage_modules:
+            return self.module.named_parameters(prefix, recurse)
+        own = {k: p for m in self._stage_modules for k, p in m.named_parameters()}
+        return ((prefix + k, p) for k, p in own.items())
+
+    @property
+    def distributed(self) -> DistContext | None:
+        """The process groups and rank layout under torch.distributed, else None."""
+        return self._dist
+
+    @property
+    def holds_first_stage(self) -> bool:
+        """Whether this process runs stage 0 (always, in one process)."""
+        if self._dist is None:
+            return True
+        return self.schedule.placement[0] == self._dist.layout.pp_rank
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this process runs the last stage (always, in one process)."""
+        if self._dist is None:
+            return True
+        return self.schedule.placement[-1] == self._dist.layout.pp_rank
+
+    def _held(self) -> dict[int, nn.Module]:
+        """The modules whose state this process holds: its stages, or the whole model before
+        the plan is made."""
+        if not self._stage_modules:
+            return {0: self.module}
+        if self._dist is None:
+            return dict(enumerate(self._stage_modules))
+        return dict(zip(self.schedule.stages_of(self._dist.layout.pp_rank),
+                        self._stage_modules, strict=True))
+
+    def state_dict(self) -> dict[str, Tensor] | None:
+        """The whole model's state dict under its original keys (CPU copies). Under
+        torch.distributed every process must call it; global rank 0 gets it, others None."""
+        return checkpoint.gather_state_dict(self._held(), self._spec, self._dist)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a whole-model state dict (e.g. ``model.state_dict()``, or ``torch.load(path,
+        mmap=True)``) into the stages this process holds. Missing or unexpected keys (when
+        `strict`) and shape mismatches raise ValueError listing them."""
+        checkpoint.load_state_dict(self._held(), state_dict, self._spec, strict=strict)
+        self._reload()
+
+    def _reload(self) -> None:
+        """After loading under torch.distributed: move the stages to this process's device and
+        rebuild the executor (loading into meta stages replaces their parameters). Every
+        process loads, so every process rebuilds."""
+        if self._dist is not None and self._dist_executor is not None:
+            self._make_distributed_executor(self._dist)
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+        extra: Any = None,
+    ) -> None:
+        """Write model and optimizer state (keyed by parameter name) and `extra` to one file,
+        atomically (temp file + fsync + rename). Under torch.distributed every process calls
+        it and global rank 0 writes; loadable at any (stages, data_parallel) layout."""
+        checkpoint.save_checkpoint(
+            path, self._held(), self._spec, self._dist, optimizer=optimizer,
+            named_params=dict(self.module.named_parameters()), extra=extra,
+        )
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """Load a checkpoint from `save_checkpoint` (any layout) into this process's stages
+        and `optimizer` (build it over ``pipe.parameters()`` first); returns the saved extra."""
+        extra = checkpoint.load_checkpoint(
+            path, self._held(), self._spec, optimizer=optimizer,
+            named_params=dict(self.module.named_parameters()),
+        )
+        self._reload()
+        return extra
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none)

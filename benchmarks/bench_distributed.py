@@ -1,0 +1,201 @@
+"""Benchmark: hybridpipe's distributed executor against torch.distributed.pipelining
+(Schedule1F1B and ScheduleGPipe, PipelineStage built by hand from the same stage modules) on 2
+gloo ranks with 1 thread each, the runs interleaved step by step in one launch, for m=8 and
+m=32 microbatches of an 8-block MLP-transformer stack; plus one process running the same
+microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p). A second pass with
+near-zero compute gives the runtime's per-action overhead. Writes
+benchmarks/results/distributed.{md,json}.
+
+Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+P = 2
+ROWS = 16  # rows per microbatch
+REPEATS, WARMUP = 12, 3
+_LOAD = "load average (1 min) at the end"
+
+
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    if isinstance(out, tuple):  # a stage module's 1-tuple output
+        out = out[0]
+    return F.mse_loss(out, target)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """One step of `fn` on both ranks, between barriers (so every run pays the same)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Callable[[], object]]:
+    """The step functions to compare, over identical models (seed 0) and batch."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from partitioner import capture, partition, split_model
+    from pipeline import Pipeline
+    from pipeline.models import mlp_stack
+
+    torch.manual_seed(0)
+    x, y = torch.randn(ROWS * m, dim), torch.randn(ROWS * m, dim)
+    single = mlp_stack(blocks=8, dim=dim, hidden=hidden)
+    xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+
+    def sequential() -> None:
+        if rank == 0:
+            for xm, ym in zip(xs, ys, strict=True):
+                (F.mse_loss(single(xm), ym) / m).backward()
+
+    runs: dict[str, Callable[[], object]] = {"one process": sequential}
+    for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+        pipe = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=name,
+                        microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
+        graph = capture(mlp_stack(blocks=8, dim=dim, hidden=hidden), (x[:ROWS],))
+        stages = split_model(graph, partition(graph, P, "uniform"))
+        peer = cls(PipelineStage(stages[rank], rank, P, torch.device("cpu")), m, loss_fn=_loss)
+        runs[f"hybridpipe {name}"] = partial(pipe.step, x, y)
+        runs[f"torch {name}"] = partial(peer.step, x) if rank == 0 else partial(peer.step, target=y)
+    return runs
+
+
+def _worker() -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    for label, dim, hidden in (("compute", 256, 1024), ("near-zero compute", 8, 8)):
+        for m in (8, 32):
+            runs = _runs(rank, dim, hidden, m)
+            samples: dict[str, list[float]] = {k: [] for k in runs}
+            keys = list(runs)
+            for i in range(WARMUP + REPEATS):
+                # Interleaved, and rotated each round, so drift and order hit every run alike.
+                for key in keys[i % len(keys):] + keys[: i % len(keys)]:
+                    t = _timed(runs[key])
+                    if i >= WARMUP:
+                        samples[key].append(t)
+            barrier = statistics.median(_timed(lambda: None) for _ in range(20))
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            med["ideal"] = med["one process"] * (m + P - 1) / (m * P)
+            results[f"{label} m={m}"] = {
+                "median_s": med, "barrier_s": barrier, "samples_s": samples,
+                "actions_per_rank": 2 * m, "dim": dim, "hidden": hidden, "rows": ROWS,
+            }
+    if rank == 0:
+        results[_LOAD] = os.getloadavg()[0]
+        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _launch() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, P, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    out = RESULTS / ".distributed-raw.json"
+    procs = []
+    for rank in range(P):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT), BENCH_OUT=str(out))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env, cwd=ROOT))
+    for proc in procs:
+        proc.wait(1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"a benchmark worker failed (exit {proc.returncode})")
+    data: dict[str, Any] = json.loads(out.read_text())
+    out.unlink()
+    return data
+
+
+def _load_note(data: dict[str, Any]) -> str:
+    load = data[_LOAD]
+    return (f"Machine load average (1 min) at the end of the run: {load:.2f} on {os.cpu_count()} "
+            "cores. Other work on the machine slows both ranks and the one-process baseline "
+            "alike only when it leaves each rank a core; above ~1, treat the ratios to one "
+            "process as lower bounds and compare hybridpipe with torch (interleaved) instead.")
+
+
+def _report(data: dict[str, Any]) -> str:
+    note = _load_note(data)
+    lines = [
+        "# Distributed executor vs torch.distributed.pipelining",
+        "",
+        f"2 gloo ranks on one machine, 1 thread each ({platform.processor() or platform.machine()},"
+        f" {os.cpu_count()} cores, torch {torch.__version__}); 8-block MLP-transformer stack "
+        f"(nn.Sequential of residual MLP blocks), {ROWS} rows per microbatch, same stage modules "
+        f"for both. Median of {REPEATS} steps per run, runs interleaved step by step (order "
+        "rotated each round); each timed step is bracketed by two barriers (their cost is "
+        "listed in the JSON and included in every figure). "
+        "'ideal' = one process x (m + p - 1) / (m p).",
+        "",
+        note,
+        "",
+        "| case | run | step ms | vs one process | vs torch (same schedule) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    cases = {k: v for k, v in data.items() if k != _LOAD}
+    for case, res in cases.items():
+        med = res["median_s"]
+        for run, t in med.items():
+            peer = ""
+            if run.startswith("hybridpipe"):
+                peer = f"{med['torch ' + run.split()[1]] / t:.2f}x faster"
+            lines.append(f"| {case} | {run} | {1e3 * t:.2f} | {med['one process'] / t:.2f}x | "
+                         f"{peer} |")
+    lines += ["", "Per-action runtime overhead with near-zero compute: (step time - barrier) / "
+              "actions per rank, minus the compute of one action (one process's time / (2 m p)):",
+              ""]
+    for case, res in cases.items():
+        if not case.startswith("near-zero"):
+            continue
+        med, n = res["median_s"], res["actions_per_rank"]
+        compute = med["one process"] / (n * P)
+        for run in ("hybridpipe 1f1b", "torch 1f1b", "hybridpipe gpipe", "torch gpipe"):
+            per = (med[run] - res["barrier_s"]) / n - compute
+            lines.append(f"- {case}, {run}: {1e6 * per:.0f} us per action ({n} actions per "
+                         f"rank; compute {1e6 * compute:.0f} us per action)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        _worker()
+        return
+    RESULTS.mkdir(exist_ok=True)
+    data = _launch()
+    report = _report(data)
+    (RESULTS / "distributed.json").write_text(json.dumps(data, indent=1))
+    (RESULTS / "distributed.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

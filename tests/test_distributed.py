@@ -1,0 +1,506 @@
+"""The distributed executor over torch.distributed: CPU processes (gloo, 1 thread each) launched
+the way torchrun launches them (a store hosted by the launcher, RANK/WORLD_SIZE/MASTER_* in the
+environment), checked against the single-process run in float64 (atol 1e-10): loss and every
+gathered gradient, 10-step loss curves, a batch-shape change, forward, the gathered trace,
+checkpoint resharding (pp=2 dp=2 -> pp=4 dp=1 -> one process), and failures (a rank that
+raises, a rank killed with SIGKILL) ending every process with a message naming the failed rank.
+
+Each launch runs many checks, because starting a process with torch costs seconds here. This
+file is also the worker: ``python tests/test_distributed.py WORKER OUT_DIR`` (run by `launch`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+ATOL = 1e-10
+VOCAB, SEQ, BATCH = 32, 6, 8  # BATCH rows per replica
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher (runs in pytest)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ended:
+    rank: int
+    returncode: int
+    output: str
+
+
+def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
+           deadline: float = 150.0, hangs: int | None = None) -> list[Ended]:
+    """Run `worker` on `world` processes like torchrun does and wait for all of them; a process
+    still alive at `deadline` seconds is killed and fails the test (nothing is left behind),
+    except rank `hangs` (a deliberately hung rank), which is killed once the others ended."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, True,
+                          timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True", HYBRIDPIPE_TIMEOUT=str(timeout),
+            OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+        )
+        log = open(out / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, worker, str(out)], env=env, stdout=log,
+            stderr=subprocess.STDOUT, cwd=ROOT,
+        ))
+    end = time.monotonic() + deadline
+    hung = []
+    for rank, proc in enumerate(procs):
+        if rank == hangs:
+            continue
+        try:
+            proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(rank)
+            proc.kill()
+            proc.wait(10)
+    if hangs is not None:
+        procs[hangs].kill()
+        procs[hangs].wait(10)
+    ended = []
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        log.seek(0)
+        ended.append(Ended(rank, proc.returncode, log.read()))
+        log.close()
+    assert not hung, f"ranks {hung} did not end within {deadline} s:\n" + _dump(ended)
+    return ended
+
+
+def _dump(ended: list[Ended]) -> str:
+    return "\n".join(f"--- rank {e.rank} (exit {e.returncode}) ---\n{e.output[-3000:]}"
+                     for e in ended)
+
+
+def _all_ok(ended: list[Ended], worker: str) -> None:
+    assert all(e.returncode == 0 for e in ended), _dump(ended)
+    assert all(f"worker {worker}: every check ran" in e.output for e in ended), _dump(ended)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by workers and tests
+# ---------------------------------------------------------------------------------------------
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    from pipeline.models import GPT
+
+    torch.manual_seed(seed)
+    return GPT(vocab=VOCAB, dim=16, layers=4, heads=2, max_seq=8).double()
+
+
+def global_batch(step: int, rows: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of step `step` over all replicas (replica d takes its slice of `rows`)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, VOCAB, (rows, seq), generator=g)
+    return x, torch.randint(0, VOCAB, (rows, seq), generator=g)
+
+
+def replica_slice(t: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
+    n = t.shape[0] // dp
+    return t[dp_rank * n : (dp_rank + 1) * n]
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (run in the launched processes)
+# ---------------------------------------------------------------------------------------------
+
+
+class Checker:
+    """Compares a distributed Pipeline with the single-process model, step by step."""
+
+    def __init__(self, pp: int, schedule: str) -> None:
+        from pipeline import Pipeline
+
+        self.ref = make_model()
+        self.pipe = Pipeline(make_model(), stages=pp, schedule=schedule, microbatches=4,
+                             loss_fn=lm_loss, balance="parameters")
+        self.ctx = self.pipe.distributed
+        assert self.ctx is not None
+        self.dp, self.d = self.ctx.layout.data_parallel, self.ctx.layout.dp_rank
+        self.label = f"pp={pp} dp={self.dp} {schedule}"
+
+    def step_and_compare(self, step: int, rows: int | None = None, seq: int = SEQ) -> float:
+        from pipeline.checkpoint import gather_named
+
+        x, y = global_batch(step, rows or BATCH * self.dp, seq)
+        self.ref.zero_grad()
+        ref_loss = lm_loss(self.ref(x), y)
+        ref_loss.backward()
+        self.pipe.zero_grad()
+        loss = self.pipe.step(replica_slice(x, self.d, self.dp), replica_slice(y, self.d, self.dp))
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=ATOL, rtol=0,
+                                   msg=f"{self.label}: loss of step {step}")
+        grads = gather_named({k: p.grad for k, p in self.pipe.named_parameters()}, self.ctx)
+        if grads is not None:
+            ref = dict(self.ref.named_parameters())
+            assert sorted(grads) == sorted(ref), f"{self.label}: gathered {sorted(grads)}"
+            for k, g in grads.items():
+                assert g is not None, f"{self.label}: {k} has no grad"
+                torch.testing.assert_close(g, ref[k].grad, atol=ATOL, rtol=0,
+                                           msg=f"{self.label}: grad of {k}")
+        return float(loss)
+
+    def train(self, steps: int) -> None:
+        """`steps` SGD steps on both; the loss curves must agree."""
+        opt = torch.optim.SGD(self.pipe.parameters(), lr=0.5, momentum=0.9)
+        ref_opt = torch.optim.SGD(self.ref.parameters(), lr=0.5, momentum=0.9)
+        for step in range(steps):
+            self.step_and_compare(step)
+            opt.step()
+            ref_opt.step()
+
+
+def _init() -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+
+
+def worker_matrix(out: Path) -> None:
+    """world 4: pp=2 dp=2, pp=4 dp=1, pp=1 dp=4 x gpipe, 1f1b, zb-h1; a world size that does not
+    divide; checkpoint resharding pp=2 dp=2 -> pp=4 dp=1 (-> one process, in the test)."""
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+
+    _init()
+    for pp in (2, 4, 1):
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            Checker(pp, schedule).train(10)
+    try:
+        Pipeline(make_model(), stages=3, loss_fn=lm_loss)
+    except ValueError as err:
+        assert "world size 4" in str(err) and "stages=3" in str(err), err
+    else:
+        raise AssertionError("stages=3 in a world of 4 was accepted")
+    # Replicas start from replica 0's weights even when the processes seeded differently.
+    odd = Pipeline(make_model(seed=100 + dist.get_rank()), stages=2, schedule="1f1b",
+                   microbatches=4, loss_fn=lm_loss, balance="parameters",
+                   example_input=global_batch(0, BATCH)[0])
+    assert odd.distributed is not None
+    flat = torch.cat([p.detach().reshape(-1) for p in odd.parameters()])
+    seen = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(seen, flat, group=odd.distributed.dp_group)
+    assert torch.equal(seen[0], seen[1]), "data-parallel replicas start from different weights"
+    # Resharding: train at pp=2 dp=2 for 9 steps, checkpoint after step 3; resume at pp=4 dp=1.
+    losses: dict[str, list[float]] = {"a": [], "b": []}
+    a = Checker(2, "1f1b")
+    opt = torch.optim.SGD(a.pipe.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(a.ref.parameters(), lr=0.5, momentum=0.9)
+    for step in range(9):
+        if step == 3:
+            a.pipe.save_checkpoint(out / "a3.pt", optimizer=opt, extra={"step": 3})
+        if step == 6:
+            sd = a.pipe.state_dict()
+            if dist.get_rank() == 0:
+                torch.save(sd, out / "a6-state.pt")
+        losses["a"].append(a.step_and_compare(step))
+        opt.step()
+        ref_opt.step()
+    b = Pipeline(make_model(seed=7), stages=4, schedule="1f1b", microbatches=4,
+                 loss_fn=lm_loss, balance="parameters")
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)  # hyper-parameters come from the checkpoint
+    extra = b.load_checkpoint(out / "a3.pt", optimizer=opt_b)
+    assert extra == {"step": 3}, extra
+    assert opt_b.param_groups[0]["momentum"] == 0.9
+    for step in range(3, 6):
+        x, y = global_batch(step, BATCH * 2)
+        b.zero_grad()
+        losses["b"].append(float(b.step(x, y)))
+        opt_b.step()
+    b.save_checkpoint(out / "b6.pt", optimizer=opt_b, extra={"step": 6})
+    if dist.get_rank() == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+    print("worker matrix: every check ran")
+
+
+def worker_schedules(out: Path) -> None:
+    """world 2: pp=2 with all six schedules, and pp=1 dp=2 (small gradient buckets); a batch
+    whose shape changes between steps; forward; the trace gathered on rank 0."""
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+
+    _init()
+    for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv"):
+        Checker(2, schedule).train(10)
+    import pipeline.distributed
+
+    pipeline.distributed.BUCKET_BYTES = 4096  # several gradient buckets per stage
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        Checker(1, schedule).train(10)
+    c = Checker(2, "1f1b")
+    for step, (rows, seq) in enumerate([(8, 6), (6, 6), (8, 5), (8, 6)]):
+        c.step_and_compare(step, rows, seq)
+    # A model built on the meta device gets this process's weights from a state dict.
+    with torch.device("meta"):
+        meta_model = make_model()
+    meta = Pipeline(meta_model, stages=2, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
+                    balance="parameters", example_input=global_batch(0, BATCH)[0].to("meta"))
+    meta.load_state_dict(c.ref.state_dict())
+    assert all(not p.is_meta and p.numel() > 0 for _, p in meta.named_parameters())
+    x, y = global_batch(9, BATCH)
+    torch.testing.assert_close(meta.step(x, y).double(), lm_loss(c.ref(x), y).detach(),
+                               atol=ATOL, rtol=0)
+    own = dict(c.pipe.named_parameters())
+    assert own and len(own) < len(dict(c.pipe.module.named_parameters()))
+    for k, p in c.pipe.module.named_parameters():  # other stages' parameters are freed
+        assert (p.numel() > 0) == (k in own), k
+    trace = c.pipe.trace
+    assert trace is not None
+    if dist.get_rank() == 0:
+        assert {e.rank for e in trace.events} == {0, 1}, trace.events
+        assert len(trace.events) == sum(len(a) for a in c.pipe.schedule.actions)
+    x, _ = global_batch(0, 6)
+    with torch.no_grad():
+        out_pipe = c.pipe(x)
+        expected = c.ref(x)
+    if c.pipe.holds_last_stage:
+        torch.testing.assert_close(out_pipe, expected, atol=ATOL, rtol=0)
+    else:
+        assert out_pipe is None
+    dist.destroy_process_group()
+    print("worker schedules: every check ran")
+
+
+def _fail_on_step(pipe: object, step: int, action: Callable[[], None]) -> None:
+    """Run `action` inside this process's first stage forward of the given step (mid-step)."""
+    calls = [0]
+    per_step = pipe.schedule.num_microbatches  # type: ignore[attr-defined]
+
+    def hook(module: nn.Module, inputs: object, output: object) -> None:
+        calls[0] += 1
+        if calls[0] == step * per_step + 2:
+            action()
+
+    pipe.stage_modules[0].register_forward_hook(hook)  # type: ignore[attr-defined]
+
+
+def _failing_run(victim: int, action: Callable[[], None], stages: int) -> None:
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+
+    _init()
+    x, y = global_batch(0, BATCH)
+    pipe = Pipeline(make_model(), stages=stages, schedule="1f1b", microbatches=4,
+                    loss_fn=lm_loss, balance="parameters", example_input=x)
+    if dist.get_rank() == victim:
+        _fail_on_step(pipe, 2, action)
+    for _ in range(5):
+        pipe.step(x, y)
+    raise AssertionError("the steps finished although a rank failed")
+
+
+def worker_raise(out: Path) -> None:
+    """world 3, pp=3: rank 1 raises in the middle of step 2."""
+
+    def boom() -> None:
+        raise ValueError("injected failure")
+
+    _failing_run(1, boom, stages=3)
+
+
+def worker_kill(out: Path) -> None:
+    """world 4, pp=2 dp=2: rank 1 is killed (SIGKILL) in the middle of step 2."""
+    _failing_run(1, lambda: os.kill(os.getpid(), signal.SIGKILL), stages=2)
+
+
+def worker_hang(out: Path) -> None:
+    """world 2, pp=2: rank 1 stops answering (blocks forever) in the middle of step 2."""
+    import threading
+
+    _failing_run(1, threading.Event().wait, stages=2)
+
+
+WORKERS: dict[str, Callable[[Path], None]] = {
+    "matrix": worker_matrix,
+    "schedules": worker_schedules,
+    "raise": worker_raise,
+    "kill": worker_kill,
+    "hang": worker_hang,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_transparency_layouts_and_resharding(tmp_path: Path) -> None:
+    """pp=2 dp=2, pp=4 dp=1, pp=1 dp=4 x gpipe/1f1b/zb-h1 equal the single process; a run saved
+    at pp=2 dp=2 resumes at pp=4 dp=1 and then in one process with the same losses."""
+    from pipeline import Pipeline
+
+    _all_ok(launch("matrix", 4, tmp_path), "matrix")
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    torch.testing.assert_close(torch.tensor(losses["b"], dtype=torch.float64),
+                               torch.tensor(losses["a"][3:6], dtype=torch.float64),
+                               atol=ATOL, rtol=0)
+    # One process (local executor) from the pp=4 checkpoint: same parameters as the pp=2 dp=2
+    # run had after step 6, and the same next losses.
+    pipe = Pipeline(make_model(seed=9), stages=2, schedule="1f1b", microbatches=4,
+                    loss_fn=lm_loss, balance="parameters")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    assert pipe.load_checkpoint(tmp_path / "b6.pt", optimizer=opt) == {"step": 6}
+    expected = torch.load(tmp_path / "a6-state.pt")
+    got = pipe.state_dict()
+    assert got is not None and list(got) == list(expected)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=ATOL, rtol=0, msg=k)
+    tail = []
+    for step in range(6, 9):
+        x, y = global_batch(step, BATCH * 2)
+        pipe.zero_grad()
+        tail.append(float(pipe.step(x, y)))
+        opt.step()
+    torch.testing.assert_close(torch.tensor(tail, dtype=torch.float64),
+                               torch.tensor(losses["a"][6:9], dtype=torch.float64),
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_transparency_all_schedules_two_ranks(tmp_path: Path) -> None:
+    """pp=2 with every schedule (interleaved and zbv included), pp=1 dp=2, a changing batch
+    shape, forward, and rank 0's gathered trace."""
+    _all_ok(launch("schedules", 2, tmp_path), "schedules")
+
+
+@pytest.mark.slow
+def test_raising_rank_stops_every_rank(tmp_path: Path) -> None:
+    ended = launch("raise", 3, tmp_path, timeout=5.0, deadline=60.0)
+    assert all(e.returncode != 0 for e in ended), _dump(ended)
+    assert "injected failure" in ended[1].output, _dump(ended)
+    for e in (ended[0], ended[2]):
+        assert "RankFailure" in e.output and "rank 1 (pipeline rank 1" in e.output, _dump(ended)
+        assert "injected failure" in e.output, _dump(ended)
+
+
+@pytest.mark.slow
+def test_killed_rank_stops_every_rank(tmp_path: Path) -> None:
+    ended = launch("kill", 4, tmp_path, timeout=5.0, deadline=60.0)
+    assert ended[1].returncode == -signal.SIGKILL, _dump(ended)
+    for e in ended:
+        if e.rank != 1:
+            assert e.returncode != 0, _dump(ended)
+            assert "RankFailure" in e.output, _dump(ended)
+            assert "because rank 1 (pipeline rank 1 of replica 0)" in e.output, _dump(ended)
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_after_the_timeout(tmp_path: Path) -> None:
+    ended = launch("hang", 2, tmp_path, timeout=3.0, deadline=60.0, hangs=1)
+    assert ended[1].returncode == -signal.SIGKILL, _dump(ended)  # killed by us, still hung
+    assert ended[0].returncode != 0, _dump(ended)
+    assert "because rank 1 (pipeline rank 1 of replica 0) stopped responding" in ended[0].output
+    assert "timeout 3 s" in ended[0].output, _dump(ended)
+
+
+def test_layout_and_divisibility() -> None:
+    from pipeline.distributed import make_layout
+
+    layout = make_layout(4, world_size=8, rank=5)
+    assert (layout.data_parallel, layout.pp_rank, layout.dp_rank) == (2, 1, 1)
+    assert layout.pipeline_ranks() == [4, 5, 6, 7]
+    assert layout.replica_ranks() == [1, 5]
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by stages=4"):
+        make_layout(4, world_size=6, rank=0)
+    with pytest.raises(ValueError, match=r"stages=2 x data_parallel=3 = 6 processes"):
+        make_layout(2, 3, world_size=4, rank=0)
+
+
+def test_message_packing_and_metadata_round_trip() -> None:
+    from pipeline.distributed import _decode_meta, _encode_meta, _pack, _unpack
+
+    tensors = [torch.randn(2, 3), torch.arange(5), torch.randn(4).t(), torch.ones(1, 1, 2)]
+    layout = _decode_meta(_encode_meta(tensors))
+    assert layout == [(t.dtype, tuple(t.shape)) for t in tensors]
+    flats = _pack(tensors)
+    assert [d for d in flats] == [torch.float32, torch.int64]  # one message per dtype
+    for got, want in zip(_unpack(flats, layout), tensors, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="at most 64 tensors"):
+        _encode_meta([torch.zeros(1)] * 65)
+
+
+def test_receive_order_follows_each_senders_order() -> None:
+    from pipeline.distributed import _CommPlan
+    from scheduler import Send, build_schedule, lower
+
+    for name in ("1f1b", "interleaved-1f1b", "zbv", "zb-h1"):
+        schedule = build_schedule(name, 4, 8)
+        program = lower(schedule)
+        for me in range(4):
+            plan = _CommPlan.of(schedule, me)
+            for peer, msgs in plan.incoming.items():
+                sent = [(i.op, i.stage, i.microbatch) for i in program[peer]
+                        if isinstance(i, Send) and i.peer == me]
+                assert msgs == sent, (name, me, peer)
+            received = sum(len(v) for v in plan.incoming.values())
+            expected = sum(1 for rank in program for i in rank
+                           if isinstance(i, Send) and i.peer == me)
+            assert received == expected > 0, (name, me)
+
+
+def test_gradient_buckets_respect_the_cap() -> None:
+    from types import SimpleNamespace
+
+    from pipeline.distributed import GradSync
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 30, 5, 40, 1)]
+    params.append(nn.Parameter(torch.zeros(3, dtype=torch.float64)))
+    ctx = SimpleNamespace(layout=SimpleNamespace(data_parallel=2))
+    sync = GradSync(ctx, {0: params, 1: params[:2]}, bucket_bytes=160)  # type: ignore[arg-type]
+    sizes = [[p.numel() for p in bucket] for bucket in sync.buckets[0]]
+    assert sizes == [[1], [40], [5, 30], [3], [10]]  # reverse order, <= 160 bytes, one dtype
+    assert [[p.numel() for p in b] for b in sync.buckets[1]] == [[30, 10]]
+
+
+def test_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.distributed import DEFAULT_TIMEOUT, ENV_TIMEOUT, resolve_timeout
+
+    monkeypatch.delenv(ENV_TIMEOUT, raising=False)
+    assert resolve_timeout(None) == DEFAULT_TIMEOUT
+    assert resolve_timeout(3) == 3.0
+    monkeypatch.setenv(ENV_TIMEOUT, "7.5")
+    assert resolve_timeout(None) == 7.5
+    monkeypatch.setenv(ENV_TIMEOUT, "soon")
+    with pytest.raises(ValueError, match="HYBRIDPIPE_TIMEOUT='soon' is not a number"):
+        resolve_timeout(None)
+    with pytest.raises(ValueError, match="> 0"):
+        resolve_timeout(0)
+
+
+if __name__ == "__main__":
+    WORKERS[sys.argv[1]](Path(sys.argv[2]))
