@@ -52,6 +52,19 @@ class StageCosts:
         return [i + w for i, w in zip(self.input_grad, self.weight_grad, strict=True)]
 
 
+def _stage_costs(graph: nx.DiGraph, plan: Plan) -> StageCosts:
+    """Sum a profiled graph's node times over each stage of `plan`."""
+    nodes = graph.nodes
+    forward, input_grad, weight_grad = [], [], []
+    for stage in plan.stages:
+        backward = sum(nodes[v]["backward_time"] for v in stage)
+        weight = sum(nodes[v].get("weight_grad_time", 0.0) for v in stage)
+        forward.append(sum(nodes[v]["forward_time"] for v in stage))
+        input_grad.append(max(0.0, backward - weight))
+        weight_grad.append(weight)
+    return StageCosts(forward, input_grad, weight_grad)
+
+
 def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
@@ -236,6 +249,7 @@ class Pipeline:
         self._plan: Plan | None = None
         self._captured: tuple[nx.DiGraph, tuple[Any, ...]] | None = None
         self._stage_modules: list[StageModule] = []
+        self._costs: StageCosts | None = None
         self._executor: Executor | None = None
         self._trace: Timeline | None = None
         if example_input is not None:
@@ -401,6 +415,9 @@ class Pipeline:
                 profile(graph, self.module, example, device=ctx.device)
             plan = partition(graph, schedule.num_stages, self.balance)
         plan = agree(plan)
+        # The costs are measured on rank 0 while it still holds the whole model.
+        profiled = dist.get_rank() == 0 and self.balance == "profile"
+        self._costs = agree(_stage_costs(graph, plan) if profiled else None)
         modules = split_model(graph, plan)
         mine = {s: modules[s] for s in schedule.stages_of(ctx.layout.pp_rank)}
         kept = {id(t) for mod in mine.values() for t in (*mod.parameters(), *mod.buffers())}
@@ -613,22 +630,23 @@ class Pipeline:
 
     def profiled_costs(self) -> StageCosts:
         """Per-stage profiled seconds for one microbatch (profiling now, on one microbatch of
-        the first batch, if the plan was not balanced by profile)."""
+        the first batch, if the plan was not balanced by profile). Under torch.distributed the
+        costs are those global rank 0 measured before the model was split."""
         plan = self.plan
+        if self._costs is not None:
+            return self._costs
+        if self._dist_executor is not None:
+            raise RuntimeError(
+                "under torch.distributed the stage costs are measured on global rank 0 before "
+                "the model is split; build the Pipeline with balance='profile' to simulate it"
+            )
         if self._captured is None:
             raise RuntimeError("the plan has no captured graph to profile")
         graph, example = self._captured
         if not all("forward_time" in graph.nodes[v] for v in graph.graph["order"]):
             profile(graph, self.module, example, device=self.devices[0])
-        nodes = graph.nodes
-        forward, input_grad, weight_grad = [], [], []
-        for stage in plan.stages:
-            backward = sum(nodes[v]["backward_time"] for v in stage)
-            weight = sum(nodes[v].get("weight_grad_time", 0.0) for v in stage)
-            forward.append(sum(nodes[v]["forward_time"] for v in stage))
-            input_grad.append(max(0.0, backward - weight))
-            weight_grad.append(weight)
-        return StageCosts(forward, input_grad, weight_grad)
+        self._costs = _stage_costs(graph, plan)
+        return self._costs
 
     def simulate(self, comm: float = 0.0) -> Timeline:
         """The predicted Timeline of one step from `profiled_costs()`. For split-backward

@@ -211,6 +211,13 @@ def worker_matrix(out: Path) -> None:
     seen = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(seen, flat, group=odd.distributed.dp_group)
     assert torch.equal(seen[0], seen[1]), "data-parallel replicas start from different weights"
+    # simulate() works on every rank: the costs rank 0 profiled travel with the plan.
+    profiled = Pipeline(make_model(), stages=2, schedule="1f1b", microbatches=4,
+                        loss_fn=lm_loss, balance="profile",
+                        example_input=global_batch(0, BATCH)[0])
+    predicted = [0.0] * dist.get_world_size()
+    dist.all_gather_object(predicted, profiled.simulate().step_time)
+    assert len(set(predicted)) == 1 and predicted[0] > 0, predicted
     # Resharding: train at pp=2 dp=2 for 9 steps, checkpoint after step 3; resume at pp=4 dp=1.
     losses: dict[str, list[float]] = {"a": [], "b": []}
     a = Checker(2, "1f1b")
