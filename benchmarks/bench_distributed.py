@@ -3,7 +3,13 @@
 gloo ranks with 1 thread each, the runs interleaved step by step in one launch, for m=8 and
 m=32 microbatches of an 8-block MLP-transformer stack; plus one process running the same
 microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p). A second pass with
-near-zero compute gives the runtime's per-action overhead. Writes
+near-zero compute gives the runtime's per-action overhead. Next to the ratio of medians it reports
+the per-round ratio torch / hybridpipe (median and quartiles over rounds: the two runs of a round
+are steps apart, so drift and other load hit both), since two ranks on two shared cores make
+single medians move by about +-10% between runs. Every run's grads are set to None before each
+step (outside the timed part), as a training loop's zero_grad() does: otherwise grads would pile
+up over steps, and Pipeline.step, which sets existing grads aside and adds them back so a failed
+step leaves them untouched, would pay one extra pass over them that training never pays. Writes
 benchmarks/results/distributed.{md,json}.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes)
@@ -31,8 +37,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 P = 2
 ROWS = 16  # rows per microbatch
-REPEATS, WARMUP = 12, 3
+REPEATS, WARMUP = 30, 3
 _LOAD = "load average (1 min) at the end"
+_LOAD_START = "load average (1 min) at the start"
 
 
 def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -52,7 +59,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Callable[[], object]]:
+Run = tuple[Callable[[], object], Callable[[], None]]  # (one step, its zero_grad)
+
+
+def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Run]:
     """The step functions to compare, over identical models (seed 0) and batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -70,15 +80,16 @@ def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Callable[[], ob
             for xm, ym in zip(xs, ys, strict=True):
                 (F.mse_loss(single(xm), ym) / m).backward()
 
-    runs: dict[str, Callable[[], object]] = {"one process": sequential}
+    runs: dict[str, Run] = {"one process": (sequential, single.zero_grad)}
     for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
         pipe = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=name,
                         microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
         graph = capture(mlp_stack(blocks=8, dim=dim, hidden=hidden), (x[:ROWS],))
         stages = split_model(graph, partition(graph, P, "uniform"))
         peer = cls(PipelineStage(stages[rank], rank, P, torch.device("cpu")), m, loss_fn=_loss)
-        runs[f"hybridpipe {name}"] = partial(pipe.step, x, y)
-        runs[f"torch {name}"] = partial(peer.step, x) if rank == 0 else partial(peer.step, target=y)
+        runs[f"hybridpipe {name}"] = (partial(pipe.step, x, y), pipe.zero_grad)
+        peer_step = partial(peer.step, x) if rank == 0 else partial(peer.step, target=y)
+        runs[f"torch {name}"] = (peer_step, stages[rank].zero_grad)
     return runs
 
 
@@ -97,7 +108,9 @@ def _worker() -> None:
             for i in range(WARMUP + REPEATS):
                 # Interleaved, and rotated each round, so drift and order hit every run alike.
                 for key in keys[i % len(keys):] + keys[: i % len(keys)]:
-                    t = _timed(runs[key])
+                    step, zero_grad = runs[key]
+                    zero_grad()
+                    t = _timed(step)
                     if i >= WARMUP:
                         samples[key].append(t)
             barrier = statistics.median(_timed(lambda: None) for _ in range(20))
@@ -116,6 +129,7 @@ def _worker() -> None:
 def _launch() -> dict[str, Any]:
     import torch.distributed as dist
 
+    data: dict[str, Any] = {_LOAD_START: os.getloadavg()[0]}
     store = dist.TCPStore("127.0.0.1", 0, P, True, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False)
     out = RESULTS / ".distributed-raw.json"
@@ -130,17 +144,24 @@ def _launch() -> dict[str, Any]:
         proc.wait(1800)
         if proc.returncode != 0:
             raise SystemExit(f"a benchmark worker failed (exit {proc.returncode})")
-    data: dict[str, Any] = json.loads(out.read_text())
+    data.update(json.loads(out.read_text()))
     out.unlink()
     return data
 
 
 def _load_note(data: dict[str, Any]) -> str:
-    load = data[_LOAD]
-    return (f"Machine load average (1 min) at the end of the run: {load:.2f} on {os.cpu_count()} "
-            "cores. Other work on the machine slows both ranks and the one-process baseline "
+    return (f"Machine load average (1 min) at the start of the run: {data[_LOAD_START]:.2f}, at "
+            f"the end: {data[_LOAD]:.2f} on {os.cpu_count()} cores. Other work on the machine "
+            "slows both ranks and the one-process baseline "
             "alike only when it leaves each rank a core; above ~1, treat the ratios to one "
             "process as lower bounds and compare hybridpipe with torch (interleaved) instead.")
+
+
+def _paired(res: dict[str, Any], run: str) -> str:
+    """Quartiles over rounds of torch's step time / hybridpipe's in the same round."""
+    ours, peer = res["samples_s"][run], res["samples_s"]["torch " + run.split()[1]]
+    q1, q2, q3 = statistics.quantiles([p / o for o, p in zip(ours, peer, strict=True)], n=4)
+    return f"{q2:.2f}x [{q1:.2f}-{q3:.2f}]"
 
 
 def _report(data: dict[str, Any]) -> str:
@@ -153,23 +174,27 @@ def _report(data: dict[str, Any]) -> str:
         f"(nn.Sequential of residual MLP blocks), {ROWS} rows per microbatch, same stage modules "
         f"for both. Median of {REPEATS} steps per run, runs interleaved step by step (order "
         "rotated each round); each timed step is bracketed by two barriers (their cost is "
-        "listed in the JSON and included in every figure). "
-        "'ideal' = one process x (m + p - 1) / (m p).",
+        "listed in the JSON and included in every figure). Grads are set to None before every "
+        "step (untimed), as zero_grad() in a training loop. "
+        "'ideal' = one process x (m + p - 1) / (m p). 'per round' = torch's step time / "
+        "hybridpipe's in the same round: median [quartiles] over rounds (> 1: hybridpipe "
+        "faster).",
         "",
         note,
         "",
-        "| case | run | step ms | vs one process | vs torch (same schedule) |",
-        "|---|---|---:|---:|---:|",
+        "| case | run | step ms | vs one process | vs torch (same schedule) | per round |",
+        "|---|---|---:|---:|---:|---:|",
     ]
-    cases = {k: v for k, v in data.items() if k != _LOAD}
+    cases = {k: v for k, v in data.items() if isinstance(v, dict)}
     for case, res in cases.items():
         med = res["median_s"]
         for run, t in med.items():
-            peer = ""
+            peer = paired = ""
             if run.startswith("hybridpipe"):
                 peer = f"{med['torch ' + run.split()[1]] / t:.2f}x faster"
+                paired = _paired(res, run)
             lines.append(f"| {case} | {run} | {1e3 * t:.2f} | {med['one process'] / t:.2f}x | "
-                         f"{peer} |")
+                         f"{peer} | {paired} |")
     lines += ["", "Per-action runtime overhead with near-zero compute: (step time - barrier) / "
               "actions per rank, minus the compute of one action (one process's time / (2 m p)):",
               ""]
