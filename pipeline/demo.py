@@ -5,6 +5,7 @@ source text, and write pictures, a Chrome trace and a short report to an output 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -135,9 +136,11 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
 
     _say(f"5. train {config.steps} steps with schedule {pipe.schedule.name!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    # Warm up for 5% of the steps, then decay: a smoother curve than a constant rate.
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.lr, total_steps=config.steps, pct_start=0.05
+    # Linear warm-up over 5% of the steps, then cosine decay: smoother than a constant rate.
+    warmup = max(1, config.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * k / config.steps)),
     )
     losses: list[float] = []
     step_times: list[float] = []

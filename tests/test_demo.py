@@ -38,6 +38,11 @@ def test_demo_writes_every_file_and_loss_falls(tmp_path: Path) -> None:
     assert "Plan (profile)" in report and "zbv" in report
 
 
+def test_demo_cli_runs_a_one_step_demo(tmp_path: Path) -> None:
+    assert main(["demo", "--out", str(tmp_path), "--steps", "1", "--microbatches", "2"]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["loss_first"] > 0
+
+
 def test_demo_cli_rejects_unknown_schedule(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--schedule", "nope"])
