@@ -1,5 +1,11 @@
 """Measure a captured graph node by node: forward time, backward time (split into input-grad and
-weight-grad time where a node has both), and the activation bytes autograd keeps for backward.
+weight-grad time), and the activation bytes autograd keeps for backward.
+
+The split follows what a split-backward schedule runs: B (input grad) is the measured time of
+the gradient w.r.t. the node's inputs alone, W (weight grad) is the rest of the backward,
+backward - B. Timing the weight gradient alone would be wrong for a composite node (a block of
+several layers): the weights of its inner layers need backprop through the block, so it costs
+nearly the whole backward, while B has already done that walk when W runs.
 
 Each node is run on its real inputs from one pass over the example input, after `warmup` runs,
 `repeats` times; the median is kept. Everything happens in a sandbox (see `sandbox.py`), so the
@@ -89,7 +95,13 @@ class _Profiler(fx.Interpreter):
         with torch.no_grad():
             result = run(n.target, args, kwargs)
             forward = self._median(lambda: run(n.target, *_fresh((args, kwargs))))
-        stats = {"forward_time": forward, "backward_time": 0.0, "activation_bytes": 0.0}
+        stats = {
+            "forward_time": forward,
+            "backward_time": 0.0,
+            "input_grad_time": 0.0,
+            "weight_grad_time": 0.0,
+            "activation_bytes": 0.0,
+        }
         stats.update(self._backward(n, run, args, kwargs))
         self.results[n.name] = stats
         self.done += 1
@@ -98,18 +110,19 @@ class _Profiler(fx.Interpreter):
 
     def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, float]:
         leaves: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
 
         def as_leaf(t: Any) -> Any:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 leaf = t.detach().requires_grad_()
-                leaves.append(leaf)
+                # A parameter reaching a function node as an argument (get_attr) is a weight.
+                (weights if t.data_ptr() in self.params else leaves).append(leaf)
                 return leaf.clone()  # a non-leaf copy, so in-place ops in the node are legal
             return t
 
-        weights = []
         if n.op == "call_module":
             sub = self.fetch_attr(str(n.target))
-            weights = [p for p in sub.parameters() if p.requires_grad]
+            weights.extend(p for p in sub.parameters() if p.requires_grad)
         saved: dict[tuple[int, int], int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -131,10 +144,17 @@ class _Profiler(fx.Interpreter):
                 outs, wrt, grads, retain_graph=True, allow_unused=True
             )
 
-        stats["backward_time"] = self._median(grad_of(leaves + weights))
-        if leaves and weights:
-            stats["input_grad_time"] = self._median(grad_of(leaves))
-            stats["weight_grad_time"] = self._median(grad_of(weights))
+        backward = self._median(grad_of(leaves + weights))
+        # B: the input-grad walk alone (capped by the whole backward against timing noise).
+        if not leaves:
+            input_grad = 0.0
+        elif not weights:
+            input_grad = backward
+        else:
+            input_grad = min(backward, self._median(grad_of(leaves)))
+        stats["backward_time"] = backward
+        stats["input_grad_time"] = input_grad
+        stats["weight_grad_time"] = backward - input_grad
         return stats
 
 
@@ -148,8 +168,8 @@ def profile(
     warmup: int = 1,
     progress: Progress | None = None,
 ) -> None:
-    """Add forward_time, backward_time (s), input_grad_time/weight_grad_time (where a node has
-    both inputs and weights) and activation_bytes to every node of a `capture`d graph.
+    """Add forward_time, backward_time (s), input_grad_time + weight_grad_time (= backward_time;
+    see the module docstring) and activation_bytes to every node of a `capture`d graph.
 
     `model` is the model the graph was captured from (its state is sandboxed). On a `device`
     other than the model's, a copy is measured there. `progress(done, total, node)` is called

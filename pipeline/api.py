@@ -9,7 +9,6 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 
 from partitioner import Plan, StageModule, capture, partition, profile, split_model
 from pipeline import checkpoint
+from pipeline.costs import StageCosts, costs_for_stages, predict, stage_costs
 from pipeline.distributed import DistContext, DistributedExecutor, agree, resolve_timeout
 from pipeline.local import LocalExecutor
 from pipeline.runtime import (
@@ -32,37 +32,9 @@ from pipeline.runtime import (
     microbatch_sizes,
     split_microbatches,
 )
-from scheduler import SCHEDULES, Schedule, Timeline, build_schedule, simulate, validate
+from scheduler import SCHEDULES, Schedule, Timeline, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Profiled seconds per stage for one microbatch: forward, the input-grad part and the
-    weight-grad part of the backward."""
-
-    forward: list[float]
-    input_grad: list[float]
-    weight_grad: list[float]
-
-    @property
-    def backward(self) -> list[float]:
-        """The whole backward per stage (input grads + weight grads)."""
-        return [i + w for i, w in zip(self.input_grad, self.weight_grad, strict=True)]
-
-
-def _stage_costs(graph: nx.DiGraph, plan: Plan) -> StageCosts:
-    """Sum a profiled graph's node times over each stage of `plan`."""
-    nodes = graph.nodes
-    forward, input_grad, weight_grad = [], [], []
-    for stage in plan.stages:
-        backward = sum(nodes[v]["backward_time"] for v in stage)
-        weight = sum(nodes[v].get("weight_grad_time", 0.0) for v in stage)
-        forward.append(sum(nodes[v]["forward_time"] for v in stage))
-        input_grad.append(max(0.0, backward - weight))
-        weight_grad.append(weight)
-    return StageCosts(forward, input_grad, weight_grad)
 
 
 def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
@@ -417,7 +389,7 @@ class Pipeline:
         plan = agree(plan)
         # The costs are measured on rank 0 while it still holds the whole model.
         profiled = dist.get_rank() == 0 and self.balance == "profile"
-        self._costs = agree(_stage_costs(graph, plan) if profiled else None)
+        self._costs = agree(stage_costs(graph, plan) if profiled else None)
         modules = split_model(graph, plan)
         mine = {s: modules[s] for s in schedule.stages_of(ctx.layout.pp_rank)}
         kept = {id(t) for mod in mine.values() for t in (*mod.parameters(), *mod.buffers())}
@@ -645,21 +617,29 @@ class Pipeline:
         graph, example = self._captured
         if not all("forward_time" in graph.nodes[v] for v in graph.graph["order"]):
             profile(graph, self.module, example, device=self.devices[0])
-        self._costs = _stage_costs(graph, plan)
+        self._costs = stage_costs(graph, plan)
         return self._costs
 
-    def simulate(self, comm: float = 0.0) -> Timeline:
-        """The predicted Timeline of one step from `profiled_costs()`. For split-backward
-        schedules B costs the input-grad part and W the weight-grad part (stage 0: B nothing,
-        W the whole backward, as the runtime does it). `comm`: latency added to each
-        cross-rank transfer (seconds)."""
+    def simulate(self, schedule: Schedule | str | None = None, comm: float = 0.0) -> Timeline:
+        """The predicted Timeline of one step (pipeline.costs.predict on `profiled_costs()`).
+        `schedule`: another Schedule or schedule name to predict on this model (default: the
+        one being run); for a different stage count the profiled graph is re-partitioned as
+        ``balance`` says. `comm`: latency added to each cross-rank transfer (seconds)."""
         costs = self.profiled_costs()
-        f, b, w = costs.forward, costs.input_grad, costs.weight_grad
-        schedule = self.schedule
-        if schedule.splits_backward:
-            # Stage 0's inputs need no gradient, so its B is empty and its W is the whole backward.
-            return simulate(schedule, f, [0.0, *b[1:]], [b[0] + w[0], *w[1:]], comm)
-        return simulate(schedule, f, costs.backward, 0.0, comm)
+        if schedule is None:
+            schedule = self.schedule
+        elif isinstance(schedule, str):
+            schedule = build_schedule(schedule, self.stages, self.schedule.num_microbatches)
+        if schedule.num_stages != costs.num_stages:
+            if self._captured is None or self._dist_executor is not None:
+                raise ValueError(
+                    f"schedule {schedule.name!r} has {schedule.num_stages} stages and this "
+                    f"plan {costs.num_stages}; under torch.distributed only the plan's stage "
+                    "count can be simulated"
+                )
+            balance = self.balance if isinstance(self.balance, str) else "profile"
+            costs = costs_for_stages(self.graph, schedule.num_stages, balance)
+        return predict(schedule, costs, latency=comm)
 
     # -- module-like helpers ----------------------------------------------------------------------
 

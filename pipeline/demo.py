@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pipeline.api import Pipeline
 from pipeline.models import GPT, TransformerBlock
 from pipeline.textdata import TokenBatches, stdlib_corpus
-from scheduler import SCHEDULES, Timeline, build_schedule, rank_costs_to_stages, simulate
+from scheduler import SCHEDULES, Timeline, build_schedule
 from viz import (
     plot_comparison,
     plot_loss,
@@ -55,25 +55,17 @@ def _say(message: str) -> None:
 
 
 def compare_schedules(pipe: Pipeline, microbatches: int) -> list[Timeline]:
-    """Simulate every schedule on this plan's profiled per-rank costs (a multi-chunk schedule
-    splits each rank's share evenly over its chunks)."""
-    costs = pipe.profiled_costs()
-    ranks = pipe.stages
-    per_rank = [
-        [sum(c[s] for s in range(len(c)) if pipe.schedule.placement[s] == r) for r in range(ranks)]
-        for c in (costs.forward, costs.input_grad, costs.weight_grad)
-    ]
+    """Predict every schedule on this model's profile through `Pipeline.simulate` (the one cost
+    adapter; a schedule with more stages than the plan is predicted on the plan the Pipeline
+    would make for it)."""
     timelines = []
     for name in SCHEDULES:
         try:
-            schedule = build_schedule(name, ranks, microbatches)
+            schedule = build_schedule(name, pipe.stages, microbatches)
         except ValueError as exc:
             _say(f"  {name:<18} skipped: {exc}")
             continue
-        f, b, w = (rank_costs_to_stages(c, schedule) for c in per_rank)
-        if not schedule.splits_backward:
-            b, w = [bi + wi for bi, wi in zip(b, w, strict=True)], [0.0] * len(w)
-        timelines.append(simulate(schedule, f, b, w))
+        timelines.append(pipe.simulate(schedule))
     return timelines
 
 

@@ -1,0 +1,98 @@
+"""The cost model, in one place: per-stage seconds of F, B (input grad) and W (weight grad) for
+one microbatch, summed from a profiled graph over a plan's stages (`stage_costs`), and the one
+adapter from those to what each schedule action costs in simulation (`action_costs`, `predict`).
+`Pipeline.simulate`, the demo, the benchmarks and the auto-planner all go through it, so they
+cannot disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from partitioner import Plan, partition
+from scheduler import Schedule, Timeline, simulate
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per stage, for one microbatch: forward, input-grad (B) and weight-grad (W) seconds (the
+    profiler's split: B is the measured input-grad walk, W the rest of the backward), the
+    activation bytes kept for backward, and the parameter bytes."""
+
+    forward: list[float]
+    input_grad: list[float]
+    weight_grad: list[float]
+    activation_bytes: list[float]
+    param_bytes: list[float]
+
+    @property
+    def backward(self) -> list[float]:
+        """The whole backward per stage (input grads + weight grads)."""
+        return [i + w for i, w in zip(self.input_grad, self.weight_grad, strict=True)]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+
+def stage_costs(graph: nx.DiGraph, plan: Plan) -> StageCosts:
+    """Sum a profiled graph's node costs over each stage of `plan`. A node profiled without the
+    split (no input_grad_time) counts its whole backward as B."""
+    nodes = graph.nodes
+
+    def total(stage: list[str], key: str, default: str | None = None) -> float:
+        return float(
+            sum(nodes[v].get(key, nodes[v].get(default, 0.0) if default else 0.0) for v in stage)
+        )
+
+    return StageCosts(
+        forward=[total(s, "forward_time") for s in plan.stages],
+        input_grad=[total(s, "input_grad_time", "backward_time") for s in plan.stages],
+        weight_grad=[
+            total(s, "weight_grad_time") if all("input_grad_time" in nodes[v] for v in s) else 0.0
+            for s in plan.stages
+        ],
+        activation_bytes=[total(s, "activation_bytes") for s in plan.stages],
+        param_bytes=[float(p) for p in plan.stage_params],
+    )
+
+
+def costs_for_stages(graph: nx.DiGraph, stages: int, balance: str = "profile") -> StageCosts:
+    """The stage costs of the plan `Pipeline` would make for `stages` stages of this graph."""
+    return stage_costs(graph, partition(graph, stages, balance))
+
+
+def action_costs(
+    costs: StageCosts, schedule: Schedule
+) -> tuple[list[float], list[float], list[float]]:
+    """(F, B, W) seconds per stage as the runtime runs `schedule`'s actions. Unsplit backward:
+    B is the whole backward and W is 0. Split backward: B is the input-grad part and W the
+    weight-grad part, except on stage 0, whose inputs need no gradient: its B does nothing and
+    its W is the whole backward."""
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(
+            f"costs cover {costs.num_stages} stages but schedule {schedule.name!r} has "
+            f"{schedule.num_stages}; partition for {schedule.num_stages} stages "
+            "(costs_for_stages) first"
+        )
+    f = list(costs.forward)
+    if not schedule.splits_backward:
+        return f, costs.backward, [0.0] * len(f)
+    b, w = list(costs.input_grad), list(costs.weight_grad)
+    b[0], w[0] = 0.0, b[0] + w[0]
+    return f, b, w
+
+
+def predict(
+    schedule: Schedule, costs: StageCosts, *, latency: float = 0.0, overhead: float = 0.0
+) -> Timeline:
+    """The predicted Timeline of one step: `action_costs` plus `overhead` seconds per action
+    (the runtime's own work around each one) and `latency` seconds per cross-rank transfer.
+    Its memory curve is in activation bytes."""
+    f, b, w = action_costs(costs, schedule)
+    f = [x + overhead for x in f]
+    b = [x + overhead for x in b]
+    if schedule.splits_backward:
+        w = [x + overhead for x in w]
+    return simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)

@@ -1,0 +1,87 @@
+"""The cost model: the profiler's B/W split on composite nodes and the one adapter from a
+profiled graph to simulated action costs (Pipeline.simulate and the demo read the same)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from partitioner import capture, partition, profile
+from pipeline import Pipeline
+from pipeline.costs import action_costs, predict, stage_costs
+from pipeline.demo import compare_schedules
+from pipeline.models import ResidualMLP, mlp_stack
+from scheduler import Op, build_schedule
+
+
+def test_composite_block_input_grad_is_measured_and_weight_grad_is_the_rest() -> None:
+    torch.manual_seed(0)
+    model = mlp_stack(blocks=2, dim=32)
+    x = torch.randn(8, 32)
+    graph = capture(model, (x,), leaf_modules=(ResidualMLP,))
+    profile(graph, model, (x,), repeats=2, warmup=1)
+    blocks = [v for v in graph.graph["order"] if graph.nodes[v].get("param_bytes", 0) > 0]
+    assert len(blocks) == 3  # two residual blocks (one node each) and the read-out
+    for v in blocks:
+        node = graph.nodes[v]
+        # W = backward - B: timing the weight grads alone would walk the whole block again.
+        assert node["input_grad_time"] + node["weight_grad_time"] == pytest.approx(
+            node["backward_time"], rel=1e-12
+        )
+        assert 0 < node["input_grad_time"] <= node["backward_time"]
+    plan = partition(graph, 2, "profile")
+    costs = stage_costs(graph, plan)
+    for k, stage in enumerate(plan.stages):
+        assert costs.input_grad[k] == pytest.approx(
+            sum(graph.nodes[v]["input_grad_time"] for v in stage)
+        )
+        assert costs.backward[k] == pytest.approx(plan.backward_times[k])
+
+
+def test_node_with_weights_only_is_all_weight_grad() -> None:
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+    idx = torch.randint(0, 10, (4, 3))
+    graph = capture(model, (idx,))
+    profile(graph, model, (idx,), repeats=1, warmup=0)
+    emb = graph.nodes[graph.graph["order"][0]]
+    assert emb["input_grad_time"] == 0.0 and emb["weight_grad_time"] == emb["backward_time"] > 0
+
+
+def test_adapter_uses_input_grad_for_b_and_empties_stage_zero_b() -> None:
+    # The issue's figures for a residual block: backward 13.5, input grad 6.4, so W = 7.1.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    graph = capture(model, (torch.randn(2, 4),))
+    for v in graph.graph["order"]:
+        graph.nodes[v].update(
+            forward_time=5.0, backward_time=13.5, input_grad_time=6.4, weight_grad_time=7.1
+        )
+    plan = partition(graph, 3, "uniform")
+    costs = stage_costs(graph, plan)
+    assert costs.input_grad == [6.4] * 3 and costs.weight_grad == [7.1] * 3
+    split = build_schedule("zb-h1", 3, 3)
+    f, b, w = action_costs(costs, split)
+    assert b[0] == 0.0 and w[0] == pytest.approx(costs.backward[0])
+    assert b[1:] == costs.input_grad[1:] and w[1:] == costs.weight_grad[1:]
+    f, b, w = action_costs(costs, build_schedule("1f1b", 3, 3))
+    assert b == costs.backward and w == [0.0] * 3
+    timeline = predict(split, costs, overhead=1.0)
+    durations = {(e.stage, e.op) for e in timeline.events if e.duration == 1.0}
+    assert (0, Op.B) in durations  # stage 0's empty B costs just the overhead
+    with pytest.raises(ValueError, match="costs cover 3 stages but schedule 'zbv' has 6"):
+        action_costs(costs, build_schedule("zbv", 3, 5))
+
+
+def test_pipeline_simulate_and_demo_comparison_agree() -> None:
+    torch.manual_seed(0)
+    model = mlp_stack(blocks=4, dim=16)
+    pipe = Pipeline(
+        model, 2, schedule="zb-h1", microbatches=4, loss_fn=F.mse_loss,
+        example_input=torch.randn(8, 16), leaf_modules=(ResidualMLP,),
+    )
+    by_name = {t.name: t for t in compare_schedules(pipe, 4)}
+    assert by_name["zb-h1"].events == pipe.simulate().events
+    # A schedule with more stages is predicted on the plan Pipeline would make for it.
+    assert by_name["zbv"].events == pipe.simulate("zbv").events
+    assert len({e.stage for e in by_name["zbv"].events}) == 4
