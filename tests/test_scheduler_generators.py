@@ -1,4 +1,5 @@
-"""Generators: exact output at small sizes, placements, size errors, text round trips."""
+"""Generators: exact output at small sizes (hand-checked grids for interleaved-1f1b and zbv),
+the published closed forms at many sizes, placements, size errors, text round trips."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import re
 
 import pytest
 
-from scheduler import SCHEDULES, Schedule, build_schedule, validate
+from scheduler import SCHEDULES, Action, Op, Schedule, build_schedule, validate
 
 EXPECTED = {
     ("gpipe", 3, 4, 1): """
@@ -19,10 +20,6 @@ EXPECTED = {
 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3
 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
 """,
-    ("interleaved-1f1b", 2, 4, 2): """
-0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
-1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
-""",
     ("zb-h1", 3, 4, 1): """
 0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3
 1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
@@ -33,20 +30,147 @@ EXPECTED = {
 1F0 1F1 1F2 1B0 1F3 1B1 1B2 1W0 1B3 1W1 1W2 1W3
 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2W0 2W1 2W2 2W3
 """,
+}
+
+# Hand-checked grids for the multi-chunk schedules, derived from the published rules rather
+# than copied from the generator's output.
+#
+# Interleaved 1F1B, Megatron-LM (Narayanan et al. SC21; `forward_backward_pipelining_with_
+# interleaving`): rank r runs v*m chunk-forwards; the k-th is chunk (k // p) % v on microbatch
+# (k // (p*v)) * p + k % p, i.e. p microbatches per chunk, chunk 0 to v-1, then the next group
+# of p. Backwards walk the chunks in reverse (chunk v-1-(k // p) % v). Rank r first runs
+# w = min(2(p-r-1) + (v-1)p, v*m) forwards, then alternates F(w+k), B(k), then drains.
+#   p=2, m=4, v=2 (stage = chunk*2 + r): rank 0: w=4, forwards 0F0 0F1 2F0 2F1 | 0F2 0F3 2F2
+#   2F3, backwards 2B0 2B1 0B0 0B1 | 2B2 2B3 0B2 0B3; rank 1: w=2, forwards 1F0 1F1 3F0 3F1 |
+#   1F2 1F3 3F2 3F3, backwards 3B0 3B1 1B0 1B1 | 3B2 3B3 1B2 1B3.
+#   p=3, m=3, v=2: w = 6 (capped at v*m), 5, 3 on ranks 0, 1, 2.
+# ZB-V (Qi et al. ICLR 2024, section 6): rank r holds chunk 0 = stage r and chunk 1 = stage
+# 2p-1-r. Per rank: 2(p-r)-1 chunk-0 F; r pairs (F1, F0); p-r triples (F1 B1 W1); then
+# (F0 B0 W0 F1 B1 W1) while chunk 0 has forwards left, (B0 W0 F1 B1 W1) until chunk 1 has run
+# all; r pairs (B0, B1); p-r pairs (B0, W0) taking the oldest W0; the deferred W1s, then W0s.
+# Each stage's F, B and W take microbatches in increasing order.
+#   p=2, m=4 rank 1 (stages 1, 2): 1F0 | 2F0 1F1 | 2F1 2B0 2W0 | 1F2 1B0 1W0 2F2 2B1 2W1 1F3
+#   1B1 1W1 2F3 2B2 2W2 | 1B2 2B3 | 1B3 1W2 | 2W3 | 1W3.
+# All four grids were also compared with torch 2.14's ScheduleInterleaved1F1B and
+# ScheduleZBVZeroBubble `_calculate_single_rank_operations`: identical, torch's I being our B.
+HAND_CHECKED = {
+    ("interleaved-1f1b", 2, 4, 2): """
+0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+""",
+    ("interleaved-1f1b", 3, 3, 2): """
+0F0 0F1 0F2 3F0 3F1 3F2 3B0 3B1 3B2 0B0 0B1 0B2
+1F0 1F1 1F2 4F0 4F1 4F2 4B0 4B1 4B2 1B0 1B1 1B2
+2F0 2F1 2F2 5F0 5B0 5F1 5B1 5F2 5B2 2B0 2B1 2B2
+""",
     ("zbv", 2, 4, 2): """
 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 0W2 0B3 0W3
 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 1W2 2W3 1W3
 """,
+    ("zbv", 3, 5, 2): "\n".join(
+        [
+            "0F0 0F1 0F2 0F3 0F4 5F0 5B0 5W0 5F1 5B1 5W1 5F2 5B2 5W2 0B0 "
+            "0W0 5F3 5B3 5W3 0B1 0W1 5F4 5B4 5W4 0B2 0W2 0B3 0W3 0B4 0W4",
+            "1F0 1F1 1F2 4F0 1F3 4F1 4B0 4W0 4F2 4B1 4W1 1F4 1B0 1W0 4F3 "
+            "4B2 4W2 1B1 1W1 4F4 4B3 4W3 1B2 4B4 1B3 1W2 1B4 1W3 4W4 1W4",
+            "2F0 3F0 2F1 3F1 2F2 3F2 3B0 3W0 2F3 2B0 2W0 3F3 3B1 3W1 2F4 "
+            "2B1 2W1 3F4 3B2 3W2 2B2 3B3 2B3 3B4 2B4 2W2 3W3 3W4 2W3 2W4",
+        ]
+    ),
 }
 
 
-@pytest.mark.parametrize("key", list(EXPECTED), ids=lambda k: k[0])
+GRIDS = {**EXPECTED, **HAND_CHECKED}
+
+
+@pytest.mark.parametrize("key", list(GRIDS), ids=lambda k: "-".join(map(str, k)))
 def test_exact_output(key: tuple[str, int, int, int]) -> None:
     name, p, m, v = key
     s = build_schedule(name, p, m, v)
-    assert s.to_text() == EXPECTED[key].strip()
+    assert s.to_text() == GRIDS[key].strip()
     assert s.name == name
     validate(s)
+
+
+def _peak_held(acts: tuple[Action, ...], release: Op) -> int:
+    """Most activations a rank holds along its list: +1 at each F, -1 at each `release`."""
+    held = peak = 0
+    for a in acts:
+        held += (a.op is Op.F) - (a.op is release)
+        peak = max(peak, held)
+    return peak
+
+
+def _chunk_ops(s: Schedule, rank: int) -> str:
+    """Rank `rank`'s list with each action written as op + chunk index on that rank."""
+    chunks = {stage: c for c, stage in enumerate(s.stages_of(rank))}
+    return " ".join(f"{a.op.value}{chunks[a.stage]}" for a in s.actions[rank])
+
+
+def _runs(*parts: tuple[str, int]) -> str:
+    return " ".join(" ".join([text] * count) for text, count in parts if count > 0)
+
+
+INTERLEAVED_SIZES = [(p, v, g * p) for p in (1, 2, 3, 4) for v in (2, 3, 4) for g in (1, 2, 3)]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), INTERLEAVED_SIZES)
+def test_interleaved_closed_forms(p: int, v: int, m: int) -> None:
+    """Megatron's interleaved 1F1B at many sizes: per-rank warm-up, F/B pattern, chunk order,
+    peak held chunk activations and per-rank action counts, from the paper's formulas."""
+    s = build_schedule("interleaved-1f1b", p, m, v)
+    assert (s.num_stages, s.virtual_stages, s.splits_backward) == (v * p, v, False)
+    assert s.placement == tuple(stage % p for stage in range(v * p))
+    groups = [(c, g * p + i) for g in range(m // p) for c in range(v) for i in range(p)]
+    back = [(c, g * p + i) for g in range(m // p) for c in reversed(range(v)) for i in range(p)]
+    for r in range(p):
+        acts = s.actions[r]
+        assert len(acts) == 2 * v * m
+        warm = min(2 * (p - r - 1) + (v - 1) * p, v * m)
+        ops = "".join(a.op.value for a in acts)
+        assert ops == "F" * warm + "FB" * (v * m - warm) + "B" * warm, r
+        assert [(a.stage // p, a.microbatch) for a in acts if a.op is Op.F] == groups
+        assert [(a.stage // p, a.microbatch) for a in acts if a.op is Op.B] == back
+        assert _peak_held(acts, Op.B) == min(warm + 1, v * m)
+    # Rank 0 holds the most: (v-1)p + 2(p-1) + 1 chunk activations once m is large enough.
+    if v * m > (v - 1) * p + 2 * (p - 1):
+        assert _peak_held(s.actions[0], Op.B) == (v - 1) * p + 2 * p - 1
+
+
+ZBV_SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (2 * p - 1, 2 * p, 2 * p + 3, 4 * p + 1)]
+
+
+@pytest.mark.parametrize(("p", "m"), ZBV_SIZES)
+def test_zbv_closed_forms(p: int, m: int) -> None:
+    """ZB-V at many sizes: V placement, the paper's phase structure per rank, microbatch order
+    per stage and op, first backward, and 2p held chunk activations on every rank."""
+    s = build_schedule("zbv", p, m)
+    assert s.splits_backward and s.num_stages == 2 * p
+    assert s.placement == tuple(list(range(p)) + list(reversed(range(p))))
+    for r in range(p):
+        assert s.stages_of(r) == [r, 2 * p - 1 - r]
+        acts = s.actions[r]
+        assert len(acts) == 6 * m
+        expected = _runs(
+            ("F0", 2 * (p - r) - 1),
+            ("F1 F0", r),
+            ("F1 B1 W1", p - r),
+            ("F0 B0 W0 F1 B1 W1", m - 2 * p + r + 1),
+            ("B0 W0 F1 B1 W1", p - r - 1),
+            ("B0 B1", r),
+            ("B0 W0", p - r),
+            ("W1", r),
+            ("W0", r),
+        )
+        assert _chunk_ops(s, r) == expected, r
+        for stage in s.stages_of(r):
+            for op in (Op.F, Op.B, Op.W):
+                mbs = [a.microbatch for a in acts if a.stage == stage and a.op is op]
+                assert mbs == list(range(m)), (r, stage, op)
+        # Warm-up: 2p-r-1 chunk-0 and r+1 chunk-1 forwards, then chunk 1's backward of mb 0.
+        first_b = next(i for i, a in enumerate(acts) if a.op is Op.B)
+        assert first_b == 2 * p and acts[first_b] == Action(2 * p - 1 - r, Op.B, 0)
+        assert _peak_held(acts, Op.W) == 2 * p
 
 
 def test_registry_names() -> None:
