@@ -1,13 +1,16 @@
 """A Pipeline trains exactly as the unsplit model: same loss and same gradient on every parameter
-(float64, atol 1e-10) for every schedule x stages x microbatches the scheduler accepts, on a
-GPT-style model, resnet18 (eval mode) and a model with a skip crossing several stage boundaries;
-plus 20 SGD steps, profile balancing, activation checkpointing, forward, and a fuzz over random
-MLPs."""
+(float64, atol 1e-10) for every schedule x stages x microbatches within the published size
+limits (stated here, not read back from the scheduler), with the schedule that ran checked
+against the structure each name promises (chunks, split backward, placement, per-rank order in
+the measured trace); on a GPT-style model, resnet18 (eval mode) and a model with a skip
+crossing several stage boundaries; plus 20 SGD steps, profile balancing, activation
+checkpointing, forward, and a fuzz over random MLPs."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,22 +24,59 @@ from torch.nn import functional as F
 
 from pipeline import Pipeline
 from pipeline.models import GPT, SkipNet
-from scheduler import SCHEDULES, build_schedule
+from scheduler import SCHEDULES, Action, Op
 
 ATOL = 1e-10
 SIZES = [(p, m) for p in (1, 2, 4) for m in (1, 3, 8)]
+# What each schedule must run, stated here rather than read back from the generators: chunks
+# per rank, whether backward is split into B and W, and the stage -> rank placement.
+STRUCTURE: dict[str, tuple[int, bool, Callable[[int, int], int]]] = {
+    "gpipe": (1, False, lambda stage, p: stage),
+    "1f1b": (1, False, lambda stage, p: stage),
+    "interleaved-1f1b": (2, False, lambda stage, p: stage % p),  # Megatron: round robin
+    "zb-h1": (1, True, lambda stage, p: stage),
+    "zb-h2": (1, True, lambda stage, p: stage),
+    "zbv": (2, True, lambda stage, p: min(stage, 2 * p - 1 - stage)),  # V: down then back up
+}
 
 
-def _accepts(name: str, p: int, m: int) -> bool:
-    try:
-        build_schedule(name, p, m)
-    except ValueError:
-        return False
+def _size_allowed(name: str, p: int, m: int) -> bool:
+    """The published size limits: Megatron's interleaving groups microbatches by p, so m must
+    be a multiple of p; ZB-V needs m >= 2p-1 to fill its warm-up. Everything else runs any m."""
+    if name == "interleaved-1f1b":
+        return m % p == 0
+    if name == "zbv":
+        return m >= 2 * p - 1
     return True
 
 
-ACCEPTED = [(n, p, m) for n in SCHEDULES for p, m in SIZES if _accepts(n, p, m)]
-REJECTED = [(n, p, m) for n in SCHEDULES for p, m in SIZES if not _accepts(n, p, m)]
+ACCEPTED = [(n, p, m) for n in STRUCTURE for p, m in SIZES if _size_allowed(n, p, m)]
+REJECTED = [(n, p, m) for n in STRUCTURE for p, m in SIZES if not _size_allowed(n, p, m)]
+# The refusal names the values and the fix.
+REJECTION = {
+    "interleaved-1f1b": "needs microbatches a multiple of ranks (got microbatches={m}, ranks={p}); "
+    "use microbatches=",
+    "zbv": "zbv needs microbatches >= 2*ranks-1 = {lo} (got {m}) to fill its warm-up; "
+    "use microbatches >= {lo}",
+}
+
+
+def check_ran_as_stated(pipe: Pipeline, name: str, stages: int, microbatches: int) -> None:
+    """The schedule that ran has `STRUCTURE[name]`, and the measured trace shows every rank
+    running exactly its list, in order, including separate W actions for a split backward."""
+    v, split, rank_of = STRUCTURE[name]
+    s = pipe.schedule
+    assert (s.name, s.num_ranks, s.num_microbatches) == (name, stages, microbatches)
+    assert (s.virtual_stages, s.num_stages, s.splits_backward) == (v, v * stages, split)
+    assert s.placement == tuple(rank_of(stage, stages) for stage in range(v * stages))
+    assert len(pipe.plan.stages) == v * stages
+    trace = pipe.trace
+    assert trace is not None and trace.splits_backward == split
+    ops = (Op.F, Op.B, Op.W) if split else (Op.F, Op.B)
+    assert len(trace.events) == len(ops) * v * stages * microbatches
+    for rank in range(stages):
+        ran = [Action(e.stage, e.op, e.microbatch) for e in trace.for_rank(rank)]
+        assert ran == list(s.actions[rank]), f"rank {rank} ran {ran}"
 
 
 def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -117,8 +157,11 @@ def test_transparency(
         balance="uniform",
     )
     case.check(pipe)
-    assert pipe.schedule.num_stages == stages * pipe.schedule.virtual_stages
-    assert len(pipe.plan.stages) == pipe.schedule.num_stages
+    check_ran_as_stated(pipe, schedule, stages, microbatches)
+
+
+def test_every_registered_schedule_is_covered() -> None:
+    assert sorted(SCHEDULES) == sorted(STRUCTURE), "add the new schedule to STRUCTURE"
 
 
 @pytest.mark.parametrize(("schedule", "stages", "microbatches"), REJECTED)
@@ -126,7 +169,8 @@ def test_rejected_sizes_raise_before_running(
     cases: dict[str, Case], schedule: str, stages: int, microbatches: int
 ) -> None:
     case = cases["skipnet"]
-    with pytest.raises(ValueError, match=schedule):
+    expected = REJECTION[schedule].format(m=microbatches, p=stages, lo=2 * stages - 1)
+    with pytest.raises(ValueError, match=re.escape(expected)):
         Pipeline(
             case.model,
             stages,
@@ -161,6 +205,7 @@ def test_checkpoint_activations(cases: dict[str, Case], schedule: str) -> None:
         checkpoint_activations=True,
     )
     case.check(pipe)
+    check_ran_as_stated(pipe, schedule, 2, 4)
 
 
 def test_profile_balance_and_lazy_plan(cases: dict[str, Case]) -> None:
@@ -274,7 +319,7 @@ def test_tuple_and_dict_outputs_and_inputs() -> None:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     widths=st.lists(st.integers(1, 6), min_size=2, max_size=7),
-    schedule=st.sampled_from(sorted(SCHEDULES)),
+    schedule=st.sampled_from(sorted(STRUCTURE)),
     stages=st.integers(1, 3),
     microbatches=st.integers(1, 6),
     extra=st.integers(0, 3),
@@ -293,8 +338,8 @@ def test_fuzz_random_mlps(
     batch = microbatches + extra
     x = torch.randn(batch, widths[0], dtype=torch.float64)
     y = torch.randn(batch, widths[-1], dtype=torch.float64)
-    fits = _accepts(schedule, stages, microbatches) and (
-        build_schedule(schedule, stages, microbatches).num_stages <= len(layers)
+    fits = _size_allowed(schedule, stages, microbatches) and (
+        stages * STRUCTURE[schedule][0] <= len(layers)
     )
     build = functools.partial(
         Pipeline,
@@ -310,7 +355,9 @@ def test_fuzz_random_mlps(
         with pytest.raises(ValueError):
             build()
         return
-    Case(model, x, y, F.mse_loss).check(build())
+    pipe = build()
+    Case(model, x, y, F.mse_loss).check(pipe)
+    check_ran_as_stated(pipe, schedule, stages, microbatches)
 
 
 class CountForward(nn.Module):
