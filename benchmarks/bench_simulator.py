@@ -55,8 +55,8 @@ def main() -> None:
             }
         )
     bubbles: list[dict[str, Any]] = []
-    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv"):
-        v = 2 if name in ("interleaved-1f1b", "zbv") else 1
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"):
+        v = 2 if name in ("interleaved-1f1b", "zbv", "dualpipev") else 1
         for p, m in ((4, 8), (8, 32)):
             t = simulate(build_schedule(name, p, m, v), 1.0, 1.0, 1.0)
             bubbles.append(

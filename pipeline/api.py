@@ -108,9 +108,11 @@ class Pipeline:
     devices when there are at least ``stages``, else CPU).
 
     - ``schedule``: a name from ``scheduler.SCHEDULES`` ("gpipe", "1f1b", "interleaved-1f1b",
-      "zb-h1", "zb-h2", "zbv"), a ``scheduler.Schedule`` or the path of a schedule text file
+      "zb-h1", "zb-h2", "zbv", "dualpipev"), a ``scheduler.Schedule`` or the path of a
+      schedule text file
       (``Schedule.to_text`` form); custom schedules are validated before anything runs.
-    - ``virtual_stages``: model chunks per rank (default 2 for interleaved-1f1b and zbv, else 1).
+    - ``virtual_stages``: model chunks per rank (default 2 for interleaved-1f1b, zbv and
+      dualpipev, else 1).
     - ``microbatches``: default ``min(2 x stages, batch size)`` of the first batch (logged on the
       "hybridpipe" logger). Batches are split along dim 0 as ``torch.tensor_split`` does.
     - ``example_input``: when given, the plan is made now; otherwise from the first batch

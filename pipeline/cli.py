@@ -113,8 +113,8 @@ def _add_simulate(subparsers: Any) -> None:
         type=_positive_int,
         default=None,
         metavar="V",
-        help="stages per rank for schedules with several chunks (interleaved-1f1b, zbv); "
-        "default: each schedule's own",
+        help="stages per rank for schedules with several chunks (interleaved-1f1b, zbv, "
+        "dualpipev); default: each schedule's own",
     )
     parser.add_argument(
         "--forward",

@@ -252,14 +252,14 @@ def worker_matrix(out: Path) -> None:
 
 
 def worker_schedules(out: Path) -> None:
-    """world 2: pp=2 with all six schedules, and pp=1 dp=2 (small gradient buckets); a batch
+    """world 2: pp=2 with all seven schedules, and pp=1 dp=2 (small gradient buckets); a batch
     whose shape changes between steps; forward; the trace gathered on rank 0."""
     import torch.distributed as dist
 
     from pipeline import Pipeline
 
     _init()
-    for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv"):
+    for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev"):
         Checker(2, schedule).train(10)
     import pipeline.distributed
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Action, Op, Schedule, build_schedule, simulate, validate
+from scheduler import SCHEDULES, Action, Op, Schedule, build_schedule, simulate, validate
 from scheduler.validate import dependencies
 
 DEADLOCK = r"deadlock, the ranks' orders can never all finish:\n  rank \d+ step \d+: "
@@ -22,14 +22,14 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCh
 @st.composite
 def schedules(draw: st.DrawFn) -> Schedule:
     """A schedule from any generator, at a random size that generator accepts."""
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv"]))
+    name = draw(st.sampled_from(sorted(SCHEDULES)))
     p = draw(st.integers(1, 8))
     if name == "interleaved-1f1b":
         v = draw(st.integers(2, 3))
         m = p * draw(st.integers(1, 32 // p))
-    elif name == "zbv":
+    elif name in ("zbv", "dualpipev"):
         v = 2
-        m = draw(st.integers(2 * p - 1, 32))
+        m = draw(st.integers(2 * p - (name == "zbv"), 32))
     else:
         v = 1
         m = draw(st.integers(1, 32))

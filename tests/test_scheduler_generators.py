@@ -53,6 +53,13 @@ EXPECTED = {
 #   1B1 1W1 2F3 2B2 2W2 | 1B2 2B3 | 1B3 1W2 | 2W3 | 1W3.
 # All four grids were also compared with torch 2.14's ScheduleInterleaved1F1B and
 # ScheduleZBVZeroBubble `_calculate_single_rank_operations`: identical, torch's I being our B.
+# DualPipeV, traced by hand from torch's ScheduleDualPipeV rank by rank (its FULL_BACKWARD and
+# the backward of an OVERLAP_F_B written as B then W, its F first): chunk 0 = stage r, chunk
+# 1 = stage 2p-1-r; 2(p-r-1) F0; r+1 (F0 F1); p-r-1 (B1, oldest queued W, F1);
+# m-2p+r+1 (F0 B1W1 F1 B0W0); p-r-1 (B1W1 F1 B0W0); r+1 (B1, B0), input-only (W queued) from
+# the middle one on, odd ranks switching one B earlier; p-r-1 (oldest W, B0 input-only); the
+# queued Ws. p=3, m=6 rank 2: 2F0 3F0 2F1 3F1 2F2 3F2 | 2F3 3B0 3W0 3F3 2B0 2W0 (x3) | 3B3 3W3
+# 2B3 2W3 3B4 3W4 2B4 3B5 2B5 | 2W4 3W5 2W5.
 HAND_CHECKED = {
     ("interleaved-1f1b", 2, 4, 2): """
 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
@@ -75,6 +82,16 @@ HAND_CHECKED = {
             "4B2 4W2 1B1 1W1 4F4 4B3 4W3 1B2 4B4 1B3 1W2 1B4 1W3 4W4 1W4",
             "2F0 3F0 2F1 3F1 2F2 3F2 3B0 3W0 2F3 2B0 2W0 3F3 3B1 3W1 2F4 "
             "2B1 2W1 3F4 3B2 3W2 2B2 3B3 2B3 3B4 2B4 2W2 3W3 3W4 2W3 2W4",
+        ]
+    ),
+    ("dualpipev", 3, 6, 2): "\n".join(
+        [
+            "0F0 0F1 0F2 0F3 0F4 5F0 5B0 5W0 5F1 5B1 5W1 5F2 0F5 5B2 5W2 5F3 0B0 0W0 "
+            "5B3 5W3 5F4 0B1 0W1 5B4 5W4 5F5 0B2 0W2 5B5 5W5 0B3 0W3 0B4 0W4 0B5 0W5",
+            "1F0 1F1 1F2 4F0 1F3 4F1 4B0 4W0 4F2 1F4 4B1 4W1 4F3 1B0 1W0 1F5 4B2 4W2 "
+            "4F4 1B1 1W1 4B3 4W3 4F5 1B2 1W2 4B4 4W4 1B3 1W3 4B5 1B4 4W5 1B5 1W4 1W5",
+            "2F0 3F0 2F1 3F1 2F2 3F2 2F3 3B0 3W0 3F3 2B0 2W0 2F4 3B1 3W1 3F4 2B1 2W1 "
+            "2F5 3B2 3W2 3F5 2B2 2W2 3B3 3W3 2B3 2W3 3B4 3W4 2B4 3B5 2B5 2W4 3W5 2W5",
         ]
     ),
 }
@@ -175,7 +192,7 @@ def test_zbv_closed_forms(p: int, m: int) -> None:
 
 def test_registry_names() -> None:
     assert sorted(SCHEDULES) == sorted(
-        ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv"]
+        ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
     )
 
 
@@ -195,7 +212,7 @@ def test_placements_and_sizes() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("pipedream", 2, 4), "choose one of ['1f1b', 'gpipe', 'interleaved-1f1b'"),
+        (("pipedream", 2, 4), "choose one of ['1f1b', 'dualpipev', 'gpipe', 'interleaved-1f1b'"),
         (("1f1b", 0, 4), "ranks must be >= 1, got 0"),
         (("gpipe", 2, 0), "microbatches must be >= 1, got 0"),
         (("1f1b", 2, 4, 2), "got virtual_stages=2"),
@@ -203,6 +220,8 @@ def test_placements_and_sizes() -> None:
         (("interleaved-1f1b", 4, 6, 2), "use microbatches=4 or 8"),
         (("zbv", 2, 4, 3), "got virtual_stages=3"),
         (("zbv", 4, 6), "microbatches >= 2*ranks-1 = 7 (got 6)"),
+        (("dualpipev", 3, 5), "microbatches >= 2*ranks = 6 (got 5)"),
+        (("dualpipev", 2, 4, 1), "got virtual_stages=1"),
     ],
 )
 def test_bad_sizes_say_what_is_allowed(args: tuple, needle: str) -> None:
@@ -218,8 +237,8 @@ def test_non_int_sizes_are_type_errors() -> None:
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_text_round_trip(name: str) -> None:
-    for p, m in [(1, 1), (2, 4), (3, 9), (4, 8)]:
-        v = 2 if name in ("interleaved-1f1b", "zbv") else 1
+    for p, m in [(1, 2), (2, 4), (3, 9), (4, 8)]:
+        v = 2 if name in ("interleaved-1f1b", "zbv", "dualpipev") else 1
         s = build_schedule(name, p, m, v)
         back = Schedule.from_text(s.to_text())
         assert back == s

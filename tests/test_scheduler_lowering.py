@@ -64,7 +64,7 @@ def test_single_rank_has_no_messages() -> None:
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_send_pairs_with_one_recv_placed_before_its_compute(name: str) -> None:
-    v = 3 if name == "interleaved-1f1b" else 2 if name == "zbv" else 1
+    v = 3 if name == "interleaved-1f1b" else 2 if name in ("zbv", "dualpipev") else 1
     s = build_schedule(name, 4, 8, v)
     program = lower(s)
     sends = Counter(

@@ -121,6 +121,14 @@ def test_zbv_reaches_its_lower_bound(p: int) -> None:
         assert t.peak_memory == (float(p),) * p
 
 
+@pytest.mark.parametrize("p", range(2, 7))
+def test_dualpipev_ties_zbv_at_uniform_costs(p: int) -> None:
+    for m in range(2 * p, 4 * p + 1):
+        t = simulate(build_schedule("dualpipev", p, m), 0.5, 0.5, 0.5)
+        assert t.step_time == 3 * m + (p - 1) / 2
+        assert t.peak_inflight == (2 * p + 1,) * p
+
+
 def test_deadlock_raises_the_validator_error() -> None:
     bad = Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0")
     with pytest.raises(ValueError) as from_validate:
