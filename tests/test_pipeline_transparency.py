@@ -37,16 +37,20 @@ STRUCTURE: dict[str, tuple[int, bool, Callable[[int, int], int]]] = {
     "zb-h1": (1, True, lambda stage, p: stage),
     "zb-h2": (1, True, lambda stage, p: stage),
     "zbv": (2, True, lambda stage, p: min(stage, 2 * p - 1 - stage)),  # V: down then back up
+    "dualpipev": (2, True, lambda stage, p: min(stage, 2 * p - 1 - stage)),  # the same V
 }
 
 
 def _size_allowed(name: str, p: int, m: int) -> bool:
     """The published size limits: Megatron's interleaving groups microbatches by p, so m must
-    be a multiple of p; ZB-V needs m >= 2p-1 to fill its warm-up. Everything else runs any m."""
+    be a multiple of p; ZB-V needs m >= 2p-1 to fill its warm-up; DualPipeV (as torch's) one
+    microbatch per stage, m >= 2p. Everything else runs any m."""
     if name == "interleaved-1f1b":
         return m % p == 0
     if name == "zbv":
         return m >= 2 * p - 1
+    if name == "dualpipev":
+        return m >= 2 * p
     return True
 
 
@@ -58,6 +62,7 @@ REJECTION = {
     "use microbatches=",
     "zbv": "zbv needs microbatches >= 2*ranks-1 = {lo} (got {m}) to fill its warm-up; "
     "use microbatches >= {lo}",
+    "dualpipev": "dualpipev needs microbatches >= 2*ranks = {hi} (got {m}), one per stage",
 }
 
 
@@ -169,7 +174,9 @@ def test_rejected_sizes_raise_before_running(
     cases: dict[str, Case], schedule: str, stages: int, microbatches: int
 ) -> None:
     case = cases["skipnet"]
-    expected = REJECTION[schedule].format(m=microbatches, p=stages, lo=2 * stages - 1)
+    expected = REJECTION[schedule].format(
+        m=microbatches, p=stages, lo=2 * stages - 1, hi=2 * stages
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         Pipeline(
             case.model,
