@@ -1,15 +1,14 @@
-"""`Pipeline`: the user-facing call. It captures and partitions the model (partitioner), builds
-or validates the schedule (scheduler), places stages on devices, splits batches into
-microbatches and hands each step to an executor (local threads, or one process
-per rank under torchrun)."""
+"""`Pipeline`: the user-facing facade. It checks the settings, then hands planning to a
+`Planner` (capture -> profile -> partition -> split -> costs; pipeline.planner) and running to
+an `Executor` (pipeline.executor): local threads in one process, or one process per pipeline
+rank under torchrun (pipeline.distributed). Every method below is one code path; the local
+and distributed difference lives in the executor."""
 
 from __future__ import annotations
 
 import inspect
-import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import networkx as nx
@@ -17,24 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from partitioner import Plan, StageModule, capture, partition, profile, split_model
+from partitioner import Plan, StageModule
 from pipeline import checkpoint
-from pipeline.costs import StageCosts, costs_for_stages, predict, stage_costs
-from pipeline.distributed import DistContext, DistributedExecutor, agree, resolve_timeout
-from pipeline.local import LocalExecutor
-from pipeline.runtime import (
-    Batch,
-    Executor,
-    LossFn,
-    StepResult,
-    batch_size,
-    merge_microbatches,
-    microbatch_sizes,
-    split_microbatches,
-)
-from scheduler import SCHEDULES, Schedule, Timeline, build_schedule, validate
-
-log = logging.getLogger("hybridpipe")
+from pipeline.costs import StageCosts, costs_for_stages, predict
+from pipeline.distributed import DistContext, DistributedExecutor
+from pipeline.executor import Executor
+from pipeline.local import LocalExecutor, resolve_devices
+from pipeline.microbatch import Batch
+from pipeline.planner import Planned, Planner
+from pipeline.runtime import LossFn
+from pipeline.timeouts import resolve_timeout
+from scheduler import Schedule, Timeline, build_schedule
 
 
 def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
@@ -43,59 +35,6 @@ def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
     if value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value}; {fix}")
     return value
-
-
-def resolve_devices(devices: Sequence[str | torch.device] | None, ranks: int) -> list[torch.device]:
-    """One device per pipeline rank: the given list (repeats allowed), else cuda:0..p-1 when
-    there are at least `ranks` CUDA devices, else CPU for every rank."""
-    if devices is None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
-            return [torch.device("cuda", i) for i in range(ranks)]
-        return [torch.device("cpu")] * ranks
-    if isinstance(devices, (str, torch.device)):
-        raise TypeError(f"devices must be a list of devices (one per stage), got {devices!r}")
-    listed = list(devices)
-    if len(listed) < ranks:
-        raise ValueError(
-            f"devices lists {len(listed)} device(s) {listed} for stages={ranks}; give one device "
-            "per stage (repeating a device is allowed, e.g. ['cpu'] * stages)"
-        )
-    if len(listed) > ranks:
-        raise ValueError(
-            f"devices lists {len(listed)} devices {listed} but stages={ranks}; give exactly one "
-            f"device per stage, or raise stages to {len(listed)}"
-        )
-    resolved = []
-    for d in listed:
-        try:
-            device = torch.device(d)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(
-                f"device {d!r} is not a device name ({err}); use e.g. 'cpu' or 'cuda:0'"
-            ) from None
-        if device.type == "cuda":
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = torch.cuda.current_device() if device.index is None and count else device.index
-            if index is None or index >= count:
-                raise ValueError(
-                    f"device {d!r} does not exist: this machine has {count} CUDA device(s); "
-                    "name one of " + (", ".join(f"'cuda:{i}'" for i in range(count)) or "'cpu'")
-                )
-            device = torch.device("cuda", index)
-        elif device.type != "cpu":
-            raise ValueError(f"device {d!r} is not supported; use 'cpu' or 'cuda:<index>'")
-        resolved.append(device)
-    return resolved
-
-
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 class Pipeline:
@@ -159,6 +98,7 @@ class Pipeline:
     random numbers than a single-device run (each rank's thread has its own RNG stream use).
     """
 
+
     def __init__(
         self,
         model: nn.Module,
@@ -189,94 +129,29 @@ class Pipeline:
                 f"data_parallel={data_parallel} needs the distributed executor: launch with "
                 "torchrun (torch.distributed initialised), or drop data_parallel"
             )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-        ):
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.loss_fn = loss_fn
-        self.balance = balance
         self.checkpoint_activations = checkpoint_activations
         self.timeout = resolve_timeout(timeout)
-        self.leaf_modules = leaf_modules
-        self._dist: DistContext | None = None
-        if dist.is_initialized():
-            if devices is not None:
-                raise ValueError(
-                    f"devices={devices!r} cannot be used under torch.distributed: each process "
-                    "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
-                )
-            self._dist = DistContext(self.stages, data_parallel, timeout=self.timeout)
-            self.devices = [self._dist.device] * self.stages
-        else:
-            self.devices = resolve_devices(devices, self.stages)
+        self._planner = Planner(
+            model, self.stages, schedule=schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
+        )
+        self._executor = _executor_for(self.stages, devices, data_parallel, self.timeout)
+        self.devices = self._executor.devices
         self._spec = checkpoint.model_spec(model)
-        self._dist_executor: DistributedExecutor | None = None
-        self.microbatches: int | None = microbatches
-        self._schedule_spec = schedule
-        self._virtual_stages = virtual_stages
-        self._schedule: Schedule | None = None
-        self._custom = self._load_custom(schedule)
-        if self._custom is not None:
-            self._schedule = self._adopt(self._custom)
-        elif self.microbatches is not None:
-            self._schedule = self._build_schedule(self.microbatches)
-        self._plan: Plan | None = None
-        self._captured: tuple[nx.DiGraph, tuple[Any, ...]] | None = None
-        self._stage_modules: list[StageModule] = []
-        self._costs: StageCosts | None = None
-        self._executor: Executor | None = None
+        self._planned: Planned | None = None
         self._trace: Timeline | None = None
         if example_input is not None:
             self._setup(self._as_args(example_input))
 
-    # -- schedule -------------------------------------------------------------------------------
+    @property
+    def microbatches(self) -> int | None:
+        """Microbatches per batch (None until the first batch when not given)."""
+        return self._planner.microbatches
 
-    def _load_custom(self, spec: object) -> Schedule | None:
-        if isinstance(spec, Schedule):
-            return spec
-        if isinstance(spec, str) and spec in SCHEDULES:
-            return None
-        if isinstance(spec, (str, os.PathLike)):
-            path = Path(spec)
-            if path.is_file():
-                return Schedule.from_text(path.read_text(), name=path.stem)
-            raise ValueError(
-                f"schedule {str(spec)!r} is neither a known schedule nor a file; choose one of "
-                f"{sorted(SCHEDULES)}, pass a scheduler.Schedule, or a schedule text file's path"
-            )
-        raise TypeError(
-            f"schedule must be a name, a path or a scheduler.Schedule, got {type(spec).__name__}"
-        )
-
-    def _adopt(self, schedule: Schedule) -> Schedule:
-        """Check a custom schedule against the Pipeline's settings and validate it."""
-        if schedule.num_ranks != self.stages:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but stages="
-                f"{self.stages}; make them equal"
-            )
-        if self.microbatches not in (None, schedule.num_microbatches):
-            raise ValueError(
-                f"schedule {schedule.name!r} runs {schedule.num_microbatches} microbatches but "
-                f"microbatches={self.microbatches}; drop microbatches or make them equal"
-            )
-        if self._virtual_stages not in (None, schedule.virtual_stages):
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.virtual_stages} stages per rank but "
-                f"virtual_stages={self._virtual_stages}; drop virtual_stages or make them equal"
-            )
-        if schedule.num_stages % schedule.num_ranks:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_stages} stages on "
-                f"{schedule.num_ranks} ranks; give every rank the same number of stages"
-            )
-        validate(schedule)
-        self.microbatches = schedule.num_microbatches
-        return schedule
-
-    def _build_schedule(self, microbatches: int) -> Schedule:
-        name = str(self._schedule_spec)
-        return build_schedule(name, self.stages, microbatches, self._virtual_stages)
+    @property
+    def balance(self) -> str | Sequence[int]:
+        return self._planner.balance
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -309,164 +184,22 @@ class Pipeline:
             f"inputs must be a tensor or a tuple/dict of tensors, got {type(x).__name__}"
         )
 
-    def _setup(self, args: tuple[Any, ...] | None) -> Executor:
-        """Make the plan, stage modules and executor from one batch of inputs."""
-        if self._dist is not None:
-            return self._setup_distributed(self._dist, args)
-        if args is None:
-            raise ValueError("the first step/forward needs a batch of inputs; got None")
-        size = batch_size(args, "inputs")
-        if self.microbatches is None:
-            self.microbatches = min(2 * self.stages, size)
-            log.info(
-                "hybridpipe: using microbatches=%d (2 x stages, capped by batch size %d)",
-                self.microbatches,
-                size,
+    def _setup(self, args: tuple[Any, ...] | None) -> Planned:
+        """Make the plan from one batch of inputs and give it to the executor."""
+        with self._executor.setting_up():
+            planned = self._planner.make(args, self._executor.coordination)
+            self._executor.load(
+                planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
             )
-        if self._schedule is None:
-            self._schedule = self._build_schedule(self.microbatches)
-        schedule = self._schedule
-        example = tuple(split_microbatches(args, self.microbatches, "inputs")[0])
-        graph = capture(self.module, example, leaf_modules=self.leaf_modules)
-        if self.balance == "profile":
-            profile(graph, self.module, example, device=self.devices[0])
-        plan = partition(graph, schedule.num_stages, self.balance)
-        modules = split_model(graph, plan)
-        for s, module in enumerate(modules):
-            module.to(self.devices[schedule.placement[s]])
-        self._plan, self._captured = plan, (graph, example)
-        self._stage_modules = modules
-        self._executor = self._make_executor(schedule, modules)
-        return self._executor
+        self._planned = planned
+        return planned
 
-    def _make_executor(self, schedule: Schedule, modules: Sequence[nn.Module]) -> Executor:
-        # The distributed executor (one process per rank under torchrun) is chosen here.
-        return LocalExecutor(
-            schedule,
-            modules,
-            self.devices,
-            loss_fn=self.loss_fn,
-            checkpoint_activations=self.checkpoint_activations,
-            timeout=self.timeout,
-        )
-
-    def _setup_distributed(
-        self, ctx: DistContext, args: tuple[Any, ...] | None
-    ) -> DistributedExecutor:
-        """Global rank 0 picks the microbatch count and the plan from its batch; every process
-        captures the same example, keeps its own stages and empties the others' tensors."""
-        with ctx.guard("setup"):
-            return self._setup_distributed_guarded(ctx, args)
-
-    def _setup_distributed_guarded(
-        self, ctx: DistContext, args: tuple[Any, ...] | None
-    ) -> DistributedExecutor:
-        offer = None
-        if dist.get_rank() == 0:
-            if args is None:
-                raise ValueError(
-                    "global rank 0 holds stage 0 and makes the plan: pass it this replica's "
-                    "inputs (or example_input=...)"
-                )
-            size = batch_size(args, "inputs")
-            m = self.microbatches if self.microbatches is not None else min(2 * self.stages, size)
-            first = split_microbatches(args, m, "inputs")[0]
-            offer = (m, tuple(
-                a if isinstance(a, Tensor) and a.is_meta else _to_device(a, torch.device("cpu"))
-                for a in first
-            ))
-        m, example = agree(offer)
-        if self.microbatches is None:
-            self.microbatches = m
-            log.info("hybridpipe: using microbatches=%d", m)
-        if self._schedule is None:
-            self._schedule = self._build_schedule(self.microbatches)
-        schedule = self._schedule
-        graph = capture(self.module, example, leaf_modules=self.leaf_modules)
-        plan = None
-        if dist.get_rank() == 0:
-            if self.balance == "profile":
-                profile(graph, self.module, example, device=ctx.device)
-            plan = partition(graph, schedule.num_stages, self.balance)
-        plan = agree(plan)
-        # The costs are measured on rank 0 while it still holds the whole model.
-        profiled = dist.get_rank() == 0 and self.balance == "profile"
-        self._costs = agree(stage_costs(graph, plan) if profiled else None)
-        modules = split_model(graph, plan)
-        mine = {s: modules[s] for s in schedule.stages_of(ctx.layout.pp_rank)}
-        kept = {id(t) for mod in mine.values() for t in (*mod.parameters(), *mod.buffers())}
-        with torch.no_grad():
-            for t in (*self.module.parameters(), *self.module.buffers()):
-                if id(t) not in kept:  # another process's stage: free its memory
-                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self._plan, self._captured = plan, (graph, example)
-        self._stage_modules = [mine[s] for s in sorted(mine)]
-        return self._make_distributed_executor(ctx)
-
-    def _make_distributed_executor(self, ctx: DistContext) -> DistributedExecutor:
-        """(Re)build this process's executor over its stage modules; meta stages (a model
-        built on the meta device) stay there until load_state_dict gives them weights."""
-        mine = self._held()
-        for module in mine.values():
-            if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-                module.to(ctx.device)
-        executor = DistributedExecutor(
-            self.schedule, mine, ctx, loss_fn=self.loss_fn,
-            checkpoint_activations=self.checkpoint_activations,
-        )
-        self._executor = self._dist_executor = executor
-        return executor
-
-    def _ready_distributed(self, ctx: DistContext, args: tuple[Any, ...] | None
-                           ) -> DistributedExecutor:
-        if self._dist_executor is None:
-            return self._setup_distributed(ctx, args)
-        return self._dist_executor
-
-    def _distributed_step(self, ctx: DistContext, x: Batch | None, y: Batch | None
-                          ) -> Callable[[], StepResult]:
-        """This process's share of a step: inputs if it holds stage 0, targets and loss weights
-        if it holds the last stage (the others may be None)."""
+    def _args(self, x: Batch | None) -> tuple[Any, ...] | None:
+        """`x` as positional arguments, planning first if this is the first batch."""
         args = None if x is None else self._as_args(x)
-        executor = self._ready_distributed(ctx, args)
-        schedule = self.schedule
-        m = schedule.num_microbatches
-        first, last = self.holds_first_stage, self.holds_last_stage
-        if first and args is None:
-            raise ValueError(
-                f"{ctx.layout.describe()} holds stage 0: pass its replica's inputs "
-                "to step"
-            )
-        if last and y is None:
-            raise ValueError(
-                f"{ctx.layout.describe()} holds the last stage: pass its replica's "
-                "targets to step"
-            )
-        n = batch_size(args, "inputs") if args is not None else None
-        if y is not None:
-            n_targets = batch_size(y, "targets")
-            if n is not None and n_targets != n:
-                raise ValueError(
-                    f"targets have batch size {n_targets} but inputs have {n}; give one target "
-                    "per input sample (dim 0 of both must match)"
-                )
-            n = n_targets
-        device = self.devices[0]
-        inputs = (
-            [tuple(_to_device(a, device)) for a in split_microbatches(args, m, "inputs")]
-            if first and args is not None else None
-        )
-        targets = (
-            [_to_device(t, device) for t in split_microbatches(y, m, "targets")]
-            if last and y is not None else None
-        )
-        weights = [k / n for k in microbatch_sizes(n, m)] if last and n is not None else []
-        return lambda: executor.run_step(inputs, targets, weights)
-
-    def _ready(self, args: tuple[Any, ...] | None) -> Executor:
-        if self._executor is None:
-            return self._setup(args)
-        return self._executor
+        if self._planned is None:
+            self._setup(args)
+        return args
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -483,41 +216,13 @@ class Pipeline:
                 "Pipeline.step needs a loss: pass loss_fn=... (e.g. nn.CrossEntropyLoss()) when "
                 "building the Pipeline, or call pipe(x) for forward only"
             )
-        run: Callable[[], StepResult]
-        if self._dist is not None:
-            run = self._distributed_step(self._dist, x, y)
-        else:
-            if x is None or y is None:
-                raise ValueError("step needs inputs and targets; got None")
-            args = self._as_args(x)
-            n = batch_size(args, "inputs")
-            n_targets = batch_size(y, "targets")
-            if n_targets != n:
-                raise ValueError(
-                    f"targets have batch size {n_targets} but inputs have {n}; give one target "
-                    "per input sample (dim 0 of both must match)"
-                )
-            executor = self._ready(args)
-            schedule = self.schedule
-            m = schedule.num_microbatches
-            xs = split_microbatches(args, m, "inputs")
-            ys = split_microbatches(y, m, "targets")
-            first = self.devices[schedule.placement[0]]
-            last = self.devices[schedule.placement[-1]]
-            inputs = [tuple(_to_device(a, first)) for a in xs]
-            targets = [_to_device(t, last) for t in ys]
-            weights = [k / n for k in microbatch_sizes(n, m)]
-            local = executor
-
-            def run() -> StepResult:
-                return local.run_step(inputs, targets, weights)
-
+        args = self._args(x)
         params = [p for p in self.parameters() if p.requires_grad]
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            result = run()
+            result = self._executor.run_step(args, y)
         except BaseException:
             for p, g in zip(params, before, strict=True):
                 p.grad = g
@@ -532,31 +237,10 @@ class Pipeline:
 
     def forward(self, x: Batch | None) -> Any:
         """Forward only, microbatched like `step` (fewer microbatches if the batch is smaller);
-        equals ``model(x)``. Under ``torch.no_grad()`` no graph is kept; otherwise the output
-        stays connected to the parameters (a backward through it runs unpipelined)."""
-        if self._dist is not None:
-            dargs = None if x is None else self._as_args(x)
-            dexec = self._ready_distributed(self._dist, dargs)
-            xs_d = None
-            if self.holds_first_stage:
-                if dargs is None:
-                    raise ValueError("this process holds stage 0: pass its replica's inputs")
-                m = min(self.schedule.num_microbatches, batch_size(dargs, "inputs"))
-                xs_d = [
-                    tuple(_to_device(a, self.devices[0]))
-                    for a in split_microbatches(dargs, m, "inputs")
-                ]
-            outputs = dexec.forward(xs_d)
-            return merge_microbatches(outputs) if self.holds_last_stage else None
-        if x is None:
-            raise ValueError("forward needs inputs; got None")
-        args = self._as_args(x)
-        n = batch_size(args, "inputs")
-        executor = self._ready(args)
-        m = min(self.schedule.num_microbatches, n)
-        first = self.devices[self.schedule.placement[0]]
-        xs = [tuple(_to_device(a, first)) for a in split_microbatches(args, m, "inputs")]
-        return merge_microbatches(executor.forward(xs))
+        equals ``model(x)`` (None on processes that do not hold the last stage). Under
+        ``torch.no_grad()`` no graph is kept; otherwise the output stays connected to the
+        parameters (a backward through it runs unpipelined)."""
+        return self._executor.forward(self._args(x))
 
     __call__ = forward
 
@@ -565,28 +249,34 @@ class Pipeline:
     @property
     def schedule(self) -> Schedule:
         """The Schedule being run (built from the first batch if microbatches was not given)."""
-        if self._schedule is None:
+        if self._planner.schedule is None:
             raise RuntimeError(
                 "the schedule is built from the first batch because microbatches was not given; "
                 "pass microbatches=... or example_input=..., or run step/forward first"
             )
-        return self._schedule
+        return self._planner.schedule
 
     @property
-    def plan(self) -> Plan:
-        """The partition (stages, nodes, predicted costs, imbalance)."""
-        if self._plan is None:
+    def _plan_made(self) -> Planned:
+        if self._planned is None:
             raise RuntimeError(
                 "the plan is made from the first batch; pass example_input=... or run "
                 "step/forward first"
             )
-        return self._plan
+        return self._planned
+
+    @property
+    def plan(self) -> Plan:
+        """The partition (stages, nodes, predicted costs, imbalance)."""
+        return self._plan_made.plan
 
     @property
     def stage_modules(self) -> list[StageModule]:
-        """The stage modules, in stage order (they share the model's parameters)."""
-        self.plan  # noqa: B018 - raises the explanatory error before the first batch
-        return list(self._stage_modules)
+        """The stage modules this process holds, in stage order (they share the model's
+        parameters; every stage in one process)."""
+        self._plan_made  # noqa: B018 - raises the explanatory error before the first batch
+        held = self._executor.held()
+        return [held[s] for s in sorted(held)]
 
     @property
     def trace(self) -> Timeline | None:
@@ -597,30 +287,13 @@ class Pipeline:
     @property
     def graph(self) -> nx.DiGraph:
         """The captured (and, once profiled, annotated) graph the plan partitions."""
-        self.plan  # noqa: B018 - raises the explanatory error before the first batch
-        if self._captured is None:
-            raise RuntimeError("the plan has no captured graph")
-        return self._captured[0]
+        return self._plan_made.graph
 
     def profiled_costs(self) -> StageCosts:
         """Per-stage profiled seconds for one microbatch (profiling now, on one microbatch of
         the first batch, if the plan was not balanced by profile). Under torch.distributed the
         costs are those global rank 0 measured before the model was split."""
-        plan = self.plan
-        if self._costs is not None:
-            return self._costs
-        if self._dist_executor is not None:
-            raise RuntimeError(
-                "under torch.distributed the stage costs are measured on global rank 0 before "
-                "the model is split; build the Pipeline with balance='profile' to simulate it"
-            )
-        if self._captured is None:
-            raise RuntimeError("the plan has no captured graph to profile")
-        graph, example = self._captured
-        if not all("forward_time" in graph.nodes[v] for v in graph.graph["order"]):
-            profile(graph, self.module, example, device=self.devices[0])
-        self._costs = stage_costs(graph, plan)
-        return self._costs
+        return self._planner.costs(self._plan_made, self._executor.coordination)
 
     def simulate(self, schedule: Schedule | str | None = None, comm: float = 0.0) -> Timeline:
         """The predicted Timeline of one step (pipeline.costs.predict on `profiled_costs()`).
@@ -633,7 +306,7 @@ class Pipeline:
         elif isinstance(schedule, str):
             schedule = build_schedule(schedule, self.stages, self.schedule.num_microbatches)
         if schedule.num_stages != costs.num_stages:
-            if self._captured is None or self._dist_executor is not None:
+            if not self._executor.coordination.keeps_whole_model:
                 raise ValueError(
                     f"schedule {schedule.name!r} has {schedule.num_stages} stages and this "
                     f"plan {costs.num_stages}; under torch.distributed only the plan's stage "
@@ -654,58 +327,40 @@ class Pipeline:
         tuple[str, nn.Parameter]
     ]:
         """The model's parameters under their original names (this process's, as above)."""
-        if self._dist is None or not self._stage_modules:
-            return self.module.named_parameters(prefix, recurse)
-        own = {k: p for m in self._stage_modules for k, p in m.named_parameters()}
-        return ((prefix + k, p) for k, p in own.items())
+        return self._executor.named_parameters(self.module, prefix, recurse)
 
     @property
     def distributed(self) -> DistContext | None:
         """The process groups and rank layout under torch.distributed, else None."""
-        return self._dist
+        return self._executor.context
 
     @property
     def holds_first_stage(self) -> bool:
         """Whether this process runs stage 0 (always, in one process)."""
-        if self._dist is None:
-            return True
-        return self.schedule.placement[0] == self._dist.layout.pp_rank
+        return self._executor.holds_first_stage
 
     @property
     def holds_last_stage(self) -> bool:
         """Whether this process runs the last stage (always, in one process)."""
-        if self._dist is None:
-            return True
-        return self.schedule.placement[-1] == self._dist.layout.pp_rank
+        return self._executor.holds_last_stage
 
     def _held(self) -> dict[int, nn.Module]:
         """The modules whose state this process holds: its stages, or the whole model before
         the plan is made."""
-        if not self._stage_modules:
-            return {0: self.module}
-        if self._dist is None:
-            return dict(enumerate(self._stage_modules))
-        return dict(zip(self.schedule.stages_of(self._dist.layout.pp_rank),
-                        self._stage_modules, strict=True))
+        held: dict[int, nn.Module] = dict(self._executor.held())
+        return held or {0: self.module}
 
     def state_dict(self) -> dict[str, Tensor] | None:
         """The whole model's state dict under its original keys (CPU copies). Under
         torch.distributed every process must call it; global rank 0 gets it, others None."""
-        return checkpoint.gather_state_dict(self._held(), self._spec, self._dist)
+        return checkpoint.gather_state_dict(self._held(), self._spec, self.distributed)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a whole-model state dict (e.g. ``model.state_dict()``, or ``torch.load(path,
         mmap=True)``) into the stages this process holds. Missing or unexpected keys (when
         `strict`) and shape mismatches raise ValueError listing them."""
         checkpoint.load_state_dict(self._held(), state_dict, self._spec, strict=strict)
-        self._reload()
-
-    def _reload(self) -> None:
-        """After loading under torch.distributed: move the stages to this process's device and
-        rebuild the executor (loading into meta stages replaces their parameters). Every
-        process loads, so every process rebuilds."""
-        if self._dist is not None and self._dist_executor is not None:
-            self._make_distributed_executor(self._dist)
+        self._executor.reload()
 
     def save_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
@@ -715,7 +370,7 @@ class Pipeline:
         atomically (temp file + fsync + rename). Under torch.distributed every process calls
         it and global rank 0 writes; loadable at any (stages, data_parallel) layout."""
         checkpoint.save_checkpoint(
-            path, self._held(), self._spec, self._dist, optimizer=optimizer,
+            path, self._held(), self._spec, self.distributed, optimizer=optimizer,
             named_params=dict(self.module.named_parameters()), extra=extra,
         )
 
@@ -728,7 +383,7 @@ class Pipeline:
             path, self._held(), self._spec, optimizer=optimizer,
             named_params=dict(self.module.named_parameters()),
         )
-        self._reload()
+        self._executor.reload()
         return extra
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -742,8 +397,27 @@ class Pipeline:
         return self.train(False)
 
     def __repr__(self) -> str:
-        name = self._schedule.name if self._schedule is not None else self._schedule_spec
+        schedule = self._planner.schedule
+        name = schedule.name if schedule is not None else self._planner.schedule_spec
         return (
             f"Pipeline({type(self.module).__name__}, stages={self.stages}, schedule={name!r}, "
             f"microbatches={self.microbatches}, devices={[str(d) for d in self.devices]})"
         )
+
+
+def _executor_for(
+    stages: int,
+    devices: Sequence[str | torch.device] | None,
+    data_parallel: int | None,
+    timeout: float,
+) -> Executor:
+    """The distributed executor inside torchrun (torch.distributed initialised), else the
+    local one."""
+    if dist.is_initialized():
+        if devices is not None:
+            raise ValueError(
+                f"devices={devices!r} cannot be used under torch.distributed: each process "
+                "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
+            )
+        return DistributedExecutor(stages, data_parallel, timeout=timeout)
+    return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)

@@ -1,7 +1,8 @@
 """The local executor: one worker thread per pipeline rank in this process, each running its
 rank's `RankRuntime` on its device, with tensors crossing ranks through in-memory mailboxes
 (plus CUDA copy streams and events between devices). The first worker error is re-raised in the
-caller with its original traceback; the other workers are cancelled and joined."""
+caller with its original traceback; the other workers are cancelled and joined (a hook that
+cancels workers stuck in compute belongs in `LocalExecutor._run`)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from partitioner import StageModule
 from pipeline import streams
-from pipeline.runtime import (
-    LossFn,
-    PipelineAborted,
-    RankResult,
-    RankRuntime,
-    StepResult,
-)
-from scheduler import Op, Schedule, Timeline
+from pipeline.executor import Executor
+from pipeline.planner import Coordination
+from pipeline.runtime import PipelineAborted, RankResult, RankRuntime, StepResult
+from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
 _POLL = 0.02  # seconds between abort checks while a worker waits for a tensor
 
@@ -35,36 +33,39 @@ class _Message:
 
 
 class _Mailbox:
-    """Messages for one rank keyed by (op, receiving stage, microbatch); waits are timed."""
+    """Messages for one rank keyed by their message key; waits are timed."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.items: dict[tuple[Op, int, int], _Message] = {}
+        self.items: dict[MessageKey, _Message] = {}
 
-    def put(self, key: tuple[Op, int, int], message: _Message) -> None:
+    def put(self, key: MessageKey, message: _Message) -> None:
         with self.cond:
             if key in self.items:
                 raise RuntimeError(f"duplicate message {key}: the schedule sends it twice")
             self.items[key] = message
             self.cond.notify_all()
 
-    def take(
-        self, key: tuple[Op, int, int], timeout: float, abort: threading.Event, rank: int
-    ) -> _Message:
-        deadline = time.monotonic() + timeout
+    def take(self, recv: Recv, timeout: float, abort: threading.Event, rank: int) -> _Message:
+        key = recv.key
         with self.cond:
+            message = self.items.pop(key, None)
+            if message is not None:
+                return message
+            deadline = time.monotonic() + timeout
             while key not in self.items:
                 if abort.is_set():
                     raise PipelineAborted(
-                        f"rank {rank} cancelled while waiting for {key[0].value} of stage "
-                        f"{key[1]} microbatch {key[2]}: another rank failed"
+                        f"pipeline rank {rank} cancelled while waiting for "
+                        f"{describe_message(key)}: another rank failed"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
-                        f"rank {rank} waited {timeout:.1f} s for op {key[0].value} of stage "
-                        f"{key[1]} microbatch {key[2]} and nothing arrived; raise "
-                        "Pipeline(timeout=...) if a step legitimately takes this long"
+                        f"pipeline rank {rank} waited {timeout:.1f} s for "
+                        f"{describe_message(key)} from pipeline rank {recv.peer} and nothing "
+                        "arrived; raise Pipeline(timeout=...) if a step legitimately takes "
+                        "this long"
                     )
                 self.cond.wait(min(_POLL, left))
             return self.items.pop(key)
@@ -83,7 +84,6 @@ class LocalTransport:
     def __init__(
         self,
         rank: int,
-        schedule: Schedule,
         devices: Sequence[torch.device],
         mailboxes: Sequence[_Mailbox],
         copy_streams: Sequence[streams.AnyStream],
@@ -91,16 +91,14 @@ class LocalTransport:
         timeout: float,
     ) -> None:
         self.rank = rank
-        self.schedule = schedule
         self.devices = devices
         self.mailboxes = mailboxes
         self.copy_streams = copy_streams
         self.abort = abort
         self.timeout = timeout
 
-    def send(self, op: Op, stage: int, microbatch: int, tensors: tuple[Tensor, ...]) -> None:
-        peer_stage = stage + 1 if op is Op.F else stage - 1
-        dst = self.schedule.placement[peer_stage]
+    def send(self, send: Send, tensors: tuple[Tensor, ...]) -> None:
+        dst = send.peer
         src_device, dst_device = self.devices[self.rank], self.devices[dst]
         producer = streams.current_stream(src_device)
         if src_device == dst_device:
@@ -114,12 +112,10 @@ class LocalTransport:
                 # stream (the copy stream) wait for it; `copied` is allocated on the copy stream.
                 copied = tuple(t.to(dst_device, non_blocking=True) for t in tensors)
             message = _Message(copied, streams.record_event(copy_stream), copy_stream)
-        self.mailboxes[dst].put((op, peer_stage, microbatch), message)
+        self.mailboxes[dst].put(send.key, message)
 
-    def recv(self, op: Op, stage: int, microbatch: int) -> tuple[Tensor, ...]:
-        message = self.mailboxes[self.rank].take(
-            (op, stage, microbatch), self.timeout, self.abort, self.rank
-        )
+    def recv(self, recv: Recv) -> tuple[Tensor, ...]:
+        message = self.mailboxes[self.rank].take(recv, self.timeout, self.abort, self.rank)
         consumer = streams.current_stream(self.devices[self.rank])
         streams.wait_event(consumer, message.ready)
         if consumer is not message.copy_stream:
@@ -128,78 +124,132 @@ class LocalTransport:
         return message.tensors
 
 
-class LocalExecutor:
-    """Runs a Schedule with one thread per rank. `stage_modules[s]` runs on
-    `devices[schedule.placement[s]]` (the caller has moved it there). `timeout` bounds every
-    wait for a tensor and the whole step's join."""
-
-    def __init__(
-        self,
-        schedule: Schedule,
-        stage_modules: Sequence[nn.Module],
-        devices: Sequence[torch.device],
-        *,
-        loss_fn: LossFn | None = None,
-        checkpoint_activations: bool = False,
-        timeout: float = 120.0,
-    ) -> None:
-        if len(devices) != schedule.num_ranks:
+def resolve_devices(devices: Sequence[str | torch.device] | None, ranks: int) -> list[torch.device]:
+    """One device per pipeline rank: the given list (repeats allowed), else cuda:0..p-1 when
+    there are at least `ranks` CUDA devices, else CPU for every rank."""
+    if devices is None:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
+            return [torch.device("cuda", i) for i in range(ranks)]
+        return [torch.device("cpu")] * ranks
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(f"devices must be a list of devices (one per stage), got {devices!r}")
+    listed = list(devices)
+    if len(listed) < ranks:
+        raise ValueError(
+            f"devices lists {len(listed)} device(s) {listed} for stages={ranks}; give one device "
+            "per stage (repeating a device is allowed, e.g. ['cpu'] * stages)"
+        )
+    if len(listed) > ranks:
+        raise ValueError(
+            f"devices lists {len(listed)} devices {listed} but stages={ranks}; give exactly one "
+            f"device per stage, or raise stages to {len(listed)}"
+        )
+    resolved = []
+    for d in listed:
+        try:
+            device = torch.device(d)
+        except (RuntimeError, TypeError) as err:
             raise ValueError(
-                f"got {len(devices)} devices for {schedule.num_ranks} ranks; give one per rank"
-            )
-        self.schedule = schedule
+                f"device {d!r} is not a device name ({err}); use e.g. 'cpu' or 'cuda:0'"
+            ) from None
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = torch.cuda.current_device() if device.index is None and count else device.index
+            if index is None or index >= count:
+                raise ValueError(
+                    f"device {d!r} does not exist: this machine has {count} CUDA device(s); "
+                    "name one of " + (", ".join(f"'cuda:{i}'" for i in range(count)) or "'cpu'")
+                )
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ValueError(f"device {d!r} is not supported; use 'cpu' or 'cuda:<index>'")
+        resolved.append(device)
+    return resolved
+
+
+class LocalExecutor(Executor):
+    """Runs a Schedule with one thread per pipeline rank; stage s runs on
+    `devices[schedule.placement[s]]`. `timeout` bounds every wait for a tensor and the whole
+    step's join."""
+
+    def __init__(self, devices: Sequence[torch.device], *, timeout: float = 120.0) -> None:
+        super().__init__()
         self.devices = list(devices)
         self.timeout = timeout
+        self.coordination = Coordination(
+            leads=True, agree=lambda value: value, device=self.devices[0], keeps_whole_model=True
+        )
         self.abort = threading.Event()
-        self.mailboxes = [_Mailbox() for _ in devices]
-        self.compute_streams = [streams.new_stream(d) for d in devices]
-        copy_streams = [streams.new_stream(d) for d in devices]
-        self.runtimes = []
-        for rank in range(schedule.num_ranks):
-            transport = LocalTransport(
-                rank, schedule, self.devices, self.mailboxes, copy_streams, self.abort, timeout
-            )
-            self.runtimes.append(
-                RankRuntime(
-                    rank,
-                    schedule,
-                    {s: stage_modules[s] for s in schedule.stages_of(rank)},
-                    transport,
-                    device=self.devices[rank],
-                    loss_fn=loss_fn,
-                    checkpoint_activations=checkpoint_activations,
-                    abort=self.abort,
-                )
-            )
+        self.mailboxes = [_Mailbox() for _ in self.devices]
+        self.compute_streams = [streams.new_stream(d) for d in self.devices]
+        self.copy_streams = [streams.new_stream(d) for d in self.devices]
+        self.runtimes: list[RankRuntime] = []
 
-    def run_step(
+    def held(self) -> dict[int, StageModule]:
+        return {} if self.planned is None else dict(enumerate(self.planned.modules))
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return True
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return "this process (it runs every stage)"
+
+    def reload(self) -> None:
+        planned = self.planned
+        if planned is None:
+            return
+        schedule = planned.schedule
+        if schedule.num_ranks != len(self.devices):
+            raise ValueError(
+                f"got {len(self.devices)} devices for {schedule.num_ranks} ranks; give one per "
+                "rank"
+            )
+        for s, module in enumerate(planned.modules):
+            module.to(self.devices[schedule.placement[s]])
+        self.runtimes = [
+            RankRuntime(
+                rank,
+                schedule,
+                {s: planned.modules[s] for s in schedule.stages_of(rank)},
+                LocalTransport(
+                    rank, self.devices, self.mailboxes, self.copy_streams, self.abort,
+                    self.timeout,
+                ),
+                device=self.devices[rank],
+                loss_fn=self.loss_fn,
+                checkpoint_activations=self.checkpoint_activations,
+                abort=self.abort,
+            )
+            for rank in range(schedule.num_ranks)
+        ]
+
+    def _run_step(
         self,
-        inputs: Sequence[tuple[Tensor, ...]],
-        targets: Sequence[Any],
+        inputs: Sequence[tuple[Tensor, ...]] | None,
+        targets: Sequence[Any] | None,
         loss_weights: Sequence[float],
     ) -> StepResult:
         results = self._run(lambda rt: rt.run_step(inputs, targets, loss_weights))
         events = sorted((e for r in results for e in r.events), key=lambda e: e.start)
         losses = [loss for r in results for loss in r.losses.values()]
         total = torch.stack(losses).sum() if losses else None
+        schedule = self._schedule
         trace = Timeline(
-            tuple(events),
-            self.schedule.num_ranks,
-            self.schedule.splits_backward,
-            name=self.schedule.name,
+            tuple(events), schedule.num_ranks, schedule.splits_backward, name=schedule.name
         )
         return StepResult(total, trace)
 
-    def forward(self, inputs: Sequence[tuple[Tensor, ...]]) -> list[Any]:
+    def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         grad = torch.is_grad_enabled()
-        count = len(inputs)
+        count = len(inputs or ())
         results = self._run(lambda rt: rt.run_forward(inputs, count, grad=grad))
         outputs = {m: out for r in results for m, out in r.outputs.items()}
         return [outputs[m] for m in range(count)]
-
-    def close(self) -> None:
-        """Nothing persistent to release: workers live for one call."""
-        self.abort.set()
 
     def _run(self, job: Callable[[RankRuntime], RankResult]) -> list[RankResult]:
         """Run `job` on every rank's runtime in its own thread; return per-rank results or

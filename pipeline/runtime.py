@@ -1,19 +1,23 @@
-"""The action interpreter shared by both executors: `RankRuntime` runs one rank's ordered
-scheduler Actions over its stage modules, moving tensors between ranks through a `Transport`,
-and records measured `Event`s. Also the microbatch split/merge helpers and the `Executor`
-protocol that `Pipeline` dispatches to.
+"""The action interpreter shared by both executors: `RankRuntime` runs one pipeline rank's
+lowered program (`scheduler.lower`: Compute, Send and Recv instructions) over the rank's stage
+modules, moving tensors between ranks through a `Transport`, and records measured `Event`s.
 
-Action kinds (one "Roughly:" line each; pairing rules in brackets):
+Instructions (one "Roughly:" line each; pairing rules in brackets):
 
-- F  Roughly: ``x = recv(F) or microbatch; y = stage(*x); send(F, y) or loss = fn(y, t) * w``
-     [each F(s, m) is followed on the same rank by exactly one B(s, m)]
-- B  full:  Roughly: ``backward(y, dy); send(B, x.grad)``
-     split: Roughly: ``dx = grad(y, x, dy, retain_graph=True); send(B, dx)`` (input grads only)
-     [when the schedule splits backward, each B(s, m) is followed by exactly one W(s, m)]
-- W  Roughly: ``backward(saved node grads, inputs=stage params)`` (weight grads only)
+- Recv  Roughly: ``mail[key] = transport.recv(recv)``  [pairs with the Send of the same key]
+- Send  Roughly: ``transport.send(send, mail.pop(key))``  [follows the Compute producing key]
+- F     Roughly: ``x = mail.pop(reads) or microbatch; y = stage(*x); mail[writes] = y`` or, on
+        the last stage, ``loss = fn(y, t) * w``
+        [each F(s, m) is followed on the same rank by exactly one B(s, m)]
+- B     full:  Roughly: ``backward(y, mail.pop(reads)); mail[writes] = x.grad``
+        split: Roughly: ``dx = grad(y, x, dy, retain_graph=True); mail[writes] = dx``
+        [when the schedule splits backward, each B(s, m) is followed by exactly one W(s, m)]
+- W     Roughly: ``backward(saved node grads, inputs=stage params)`` (weight grads only)
 
-Same-rank handoffs (stage s and s+1 on one rank, as in interleaved or zbv schedules) stay in
-this object; only cross-rank tensors go through the Transport.
+`reads` / `writes` are message keys (op, producing stage, microbatch) from
+`scheduler.producer` / `scheduler.consumer_stage`, the one place the peer rule lives. A
+message between two stages on the same rank (interleaved, zbv) has no Send/Recv: the producer
+leaves it in the mail and the consumer takes it.
 
 Split backward: B runs `torch.autograd.grad` w.r.t. the stage inputs only (graph kept), and
 captures with node pre-hooks the gradient arriving where each weight's path leaves the
@@ -34,14 +38,28 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import profiler as autograd_profiler
 from torch.autograd.graph import GradientEdge, Node
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from scheduler import Action, Event, Op, Schedule, Timeline
-
-Batch: TypeAlias = Any
-"""A tensor, or a tuple/list/dict (possibly nested) whose leaves are tensors."""
+from pipeline.microbatch import check_output
+from scheduler import (
+    Action,
+    Compute,
+    Event,
+    Instruction,
+    MessageKey,
+    Op,
+    Recv,
+    Schedule,
+    Send,
+    Timeline,
+    consumer_stage,
+    forward_only,
+    lower,
+    producer,
+)
 
 LossFn: TypeAlias = Callable[[Any, Any], Tensor]
 
@@ -51,25 +69,21 @@ class PipelineAborted(RuntimeError):
 
 
 class Transport(Protocol):
-    """Moves tensors between ranks. One instance per rank (it knows its own rank).
+    """Moves tensors between pipeline ranks. One instance per rank (it knows its own rank).
 
-    send(op, stage, microbatch, tensors):
-        op F: the outputs of `stage`, for the rank that runs stage + 1.
-        op B: the input grads of `stage`, for the rank that runs stage - 1.
-        Must not block for long (queue it, or post an isend).
-    recv(op, stage, microbatch) -> tensors:
-        op F: the inputs of `stage` (sent by stage - 1's F).
-        op B: the grads of `stage`'s outputs (sent by stage + 1's B).
-        Blocks until they arrive (on this rank's device, ready for its compute stream) or a
-        timeout passes; then raises an error naming rank, stage, op, microbatch and the timeout.
+    send(send, tensors): deliver `tensors` (the message `send.key`) to pipeline rank
+        `send.peer`. Must not block for long (queue it, or post an isend).
+    recv(recv) -> tensors: the message `recv.key` from pipeline rank `recv.peer`. Blocks until
+        it arrives (on this rank's device, ready for its compute stream) or a timeout passes;
+        then raises an error naming rank, message and timeout.
 
-    B payloads hold one tensor per floating-point output of `stage - 1` (= floating-point input
-    of `stage`), in positional order; zeros stand for a missing gradient.
+    F messages hold a stage's outputs; B messages one tensor per floating-point input of the
+    producing stage, in positional order (zeros stand for a missing gradient).
     """
 
-    def send(self, op: Op, stage: int, microbatch: int, tensors: tuple[Tensor, ...]) -> None: ...
+    def send(self, send: Send, tensors: tuple[Tensor, ...]) -> None: ...
 
-    def recv(self, op: Op, stage: int, microbatch: int) -> tuple[Tensor, ...]: ...
+    def recv(self, recv: Recv) -> tuple[Tensor, ...]: ...
 
 
 @dataclass
@@ -96,146 +110,60 @@ class StepResult:
     trace: Timeline
 
 
-class Executor(Protocol):
-    """What `Pipeline` dispatches to (LocalExecutor: threads in one process; the distributed
-    executor: one process per rank). Inputs arrive already split into microbatches;
-    `inputs[m]` is the positional-argument tuple of stage 0 for microbatch m."""
-
-    def run_step(
-        self,
-        inputs: Sequence[tuple[Tensor, ...]],
-        targets: Sequence[Any],
-        loss_weights: Sequence[float],
-    ) -> StepResult:
-        """Forward and backward over all microbatches by the schedule; grads accumulate on the
-        parameters. On failure, raise the first error (partial grads are the caller's to drop)."""
-        ...
-
-    def forward(self, inputs: Sequence[tuple[Tensor, ...]]) -> list[Any]:
-        """Forward only; the model output per microbatch. Keeps an autograd graph only when
-        grad mode is enabled in the caller."""
-        ...
-
-    def close(self) -> None:
-        """Release workers, queues and process groups; idempotent."""
-        ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Microbatch helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def _leaves(batch: Batch, what: str, path: str = "") -> list[tuple[str, Tensor]]:
-    if isinstance(batch, Tensor):
-        return [(path or what, batch)]
-    if isinstance(batch, (tuple, list)):
-        out: list[tuple[str, Tensor]] = []
-        for i, item in enumerate(batch):
-            out.extend(_leaves(item, what, f"{path or what}[{i}]"))
-        return out
-    if isinstance(batch, dict):
-        out = []
-        for key, item in batch.items():
-            out.extend(_leaves(item, what, f"{path or what}[{key!r}]"))
-        return out
-    raise TypeError(f"{path or what} is a {type(batch).__name__}, not a tensor")
-
-
-def batch_size(batch: Batch, what: str = "inputs") -> int:
-    """The common dim-0 size of every tensor in `batch`; ValueError if they differ."""
-    try:
-        leaves = _leaves(batch, what)
-    except TypeError as err:
-        raise TypeError(
-            f"{err}; {what} must be a tensor or a tuple/list/dict of tensors (split along dim 0)"
-        ) from None
-    if not leaves:
-        raise ValueError(f"{what} holds no tensors; give at least one tensor with a batch dim")
-    sizes = {}
-    for name, t in leaves:
-        if t.dim() == 0:
-            raise ValueError(f"{name} is a 0-dim tensor; every tensor needs a batch dim (dim 0)")
-        sizes[name] = t.shape[0]
-    if len(set(sizes.values())) > 1:
-        raise ValueError(
-            f"{what} tensors have different batch sizes {sizes}; give every tensor the same dim 0"
-        )
-    return next(iter(sizes.values()))
-
-
-def _split(batch: Batch, chunks: int) -> list[Batch]:
-    if isinstance(batch, Tensor):
-        return list(torch.tensor_split(batch, chunks, dim=0))
-    if isinstance(batch, (tuple, list)):
-        columns = [_split(item, chunks) for item in batch]
-        return [type(batch)(col[i] for col in columns) for i in range(chunks)]
-    columns_by_key = {key: _split(item, chunks) for key, item in batch.items()}
-    return [{key: col[i] for key, col in columns_by_key.items()} for i in range(chunks)]
-
-
-def split_microbatches(batch: Batch, chunks: int, what: str = "inputs") -> list[Batch]:
-    """Split `batch` along dim 0 into `chunks` microbatches (sizes differ by at most one, larger
-    first, as `torch.tensor_split`). Structure (tuple/list/dict) is kept in every microbatch."""
-    if chunks < 1:
-        raise ValueError(f"microbatches must be >= 1, got {chunks}")
-    size = batch_size(batch, what)
-    if size < chunks:
-        raise ValueError(
-            f"{what} batch size {size} is smaller than the microbatch count {chunks}; "
-            f"give a batch of at least {chunks} samples or use microbatches <= {size}"
-        )
-    return _split(batch, chunks)
-
-
-def microbatch_sizes(total: int, chunks: int) -> list[int]:
-    """The sizes `split_microbatches` produces for a batch of `total` samples."""
-    base, extra = divmod(total, chunks)
-    return [base + 1 if i < extra else base for i in range(chunks)]
-
-
-def merge_microbatches(parts: Sequence[Batch]) -> Batch:
-    """Concatenate per-microbatch outputs along dim 0, keeping their tuple/list/dict structure."""
-    first = parts[0]
-    if isinstance(first, Tensor):
-        return torch.cat(list(parts), dim=0)
-    if isinstance(first, (tuple, list)):
-        return type(first)(merge_microbatches([p[i] for p in parts]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {key: merge_microbatches([p[key] for p in parts]) for key in first}
-    raise TypeError(f"cannot merge outputs of type {type(first).__name__}")
-
-
-def check_output(value: Any, stage: int) -> None:
-    """TypeError unless `value` is a tensor or a (nested) tuple/list/dict of tensors."""
-    try:
-        _leaves(value, f"stage {stage} output")
-    except TypeError as err:
-        raise TypeError(
-            f"{err}; stage {stage} is the last stage: make the model return a tensor or a "
-            "tuple/dict of tensors (compute other values outside the model)"
-        ) from None
-
-
-def forward_actions(schedule: Schedule, rank: int, microbatches: int) -> list[Action]:
-    """A forward-only action list for `rank`: its stages' F actions in (stage, microbatch) order.
-    That order is a projection of one global topological order, so it cannot deadlock."""
-    return [
-        Action(stage, Op.F, m) for stage in schedule.stages_of(rank) for m in range(microbatches)
-    ]
-
-
 def _is_float(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-# ---------------------------------------------------------------------------------------------
-# RankRuntime
-# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One lowered instruction with what a Compute reads and writes (message keys)."""
+
+    instruction: Instruction
+    reads: MessageKey | None  # the message a Compute consumes (None: stage 0's F, last B)
+    writes: MessageKey | None  # the message a Compute produces for another stage
+    label: str  # profiler label
+
+
+@dataclass(frozen=True)
+class Program:
+    """One rank's lowered instructions, and after which step each stage's last backward
+    (B, or W when backward is split) and its Sends are done."""
+
+    schedule: Schedule
+    steps: tuple[_Step, ...]
+    stage_done: dict[int, int]  # step index -> stage
+
+
+def compile_program(schedule: Schedule, rank: int) -> Program:
+    """Lower `schedule` and annotate `rank`'s instructions for `RankRuntime`."""
+    n = schedule.num_stages
+    steps = []
+    for ins in lower(schedule)[rank]:
+        if isinstance(ins, Compute):
+            a = ins.action
+            src = producer(a, n)
+            dst = consumer_stage(a.op, a.stage, n)
+            steps.append(_Step(
+                ins, None if src is None else (src.op, src.stage, src.microbatch),
+                None if dst is None else (a.op, a.stage, a.microbatch), f"hybridpipe {a}",
+            ))
+        else:
+            steps.append(_Step(ins, None, None, f"hybridpipe {ins}"))
+    final = Op.W if schedule.splits_backward else Op.B
+    last: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        if isinstance(step.instruction, Compute) and step.instruction.action.op is final:
+            last[step.instruction.action.stage] = i
+    stage_done = {}
+    for stage, i in last.items():
+        while i + 1 < len(steps) and isinstance(steps[i + 1].instruction, Send):
+            i += 1  # let the stage's last sends leave before its gradient work starts
+        stage_done[i] = stage
+    return Program(schedule, tuple(steps), stage_done)
 
 
 class RankRuntime:
-    """Runs one rank's ordered actions of a `Schedule` over that rank's stage modules.
+    """Runs one pipeline rank's lowered program over that rank's stage modules.
 
     `stages` maps stage index -> module for the stages placed on `rank` (StageModule contract:
     `forward(*inputs) -> tuple`; the last stage returns a 1-tuple holding the model output).
@@ -244,11 +172,12 @@ class RankRuntime:
     `loss_fn(output, target)` is applied by the last stage to each microbatch and multiplied by
     that microbatch's weight (its share of the batch for mean-reduced losses), so summed grads
     equal the whole batch's. `on_stage_done(stage)` is called right after the last backward
-    action (B, or W when backward is split) of each stage in a step, e.g. to start that stage's
-    gradient all-reduce. `abort`, when set by anyone, stops this rank before its next action.
+    action (B, or W when backward is split) of each stage in a step and the sends following
+    it, e.g. to start that stage's gradient all-reduce. `abort`, when set by anyone, stops this
+    rank before its next action.
 
-    The runtime keeps per-step state (stashed activations, pending weight grads, same-rank
-    handoffs) and checks it is empty at the end of each step.
+    The runtime keeps per-step state (stashed activations, pending weight grads, undelivered
+    messages) and checks it is empty at the end of each step.
     """
 
     def __init__(
@@ -280,25 +209,25 @@ class RankRuntime:
         self.on_stage_done = on_stage_done
         self.abort = abort
         self.last_stage = schedule.num_stages - 1
+        self.program = compile_program(schedule, rank)
+        self._forward_programs: dict[int, Program] = {}
         self._params: dict[int, list[Tensor]] = {}  # trainable parameters, read each step
-        self._done_after = self._last_backward_index(schedule.actions[rank])
         # Per-step state; all empty between steps (checked by _check_buffers_empty).
         self._stash: dict[tuple[int, int], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
         self._pending_w: dict[tuple[int, int], WeightWork] = {}
-        self._local: dict[tuple[Op, int, int], tuple[Tensor, ...]] = {}
+        self._mail: dict[MessageKey, tuple[Tensor, ...]] = {}
         self._inputs: Sequence[tuple[Tensor, ...]] = ()
         self._targets: Sequence[Any] = ()
         self._weights: Sequence[float] = ()
         self._result = RankResult()
-        self._started = 0.0  # start of the running action's compute (after its receives)
 
-    def _last_backward_index(self, actions: Sequence[Action]) -> dict[int, int]:
-        final_op = Op.W if self.schedule.splits_backward else Op.B
-        done: dict[int, int] = {}
-        for i, a in enumerate(actions):
-            if a.op is final_op:
-                done[a.stage] = i
-        return done
+    def forward_program(self, microbatches: int) -> Program:
+        """The lowered forward-only program for `microbatches` microbatches (cached)."""
+        if microbatches not in self._forward_programs:
+            self._forward_programs[microbatches] = compile_program(
+                forward_only(self.schedule, microbatches), self.rank
+            )
+        return self._forward_programs[microbatches]
 
     # -- public entry points ------------------------------------------------------------------
 
@@ -308,7 +237,7 @@ class RankRuntime:
         targets: Sequence[Any] | None,
         loss_weights: Sequence[float],
     ) -> RankResult:
-        """Run this rank's actions for one training step.
+        """Run this rank's program for one training step.
 
         `inputs[m]`: stage 0's positional arguments for microbatch m (needed only on the rank
         that runs stage 0; on `device`). `targets[m]`: the loss target (needed only on the last
@@ -333,10 +262,7 @@ class RankRuntime:
         self._begin(inputs or (), targets or (), loss_weights)
         try:
             with torch.enable_grad():
-                for index, action in enumerate(self.schedule.actions[self.rank]):
-                    self._execute(action, train=True)
-                    if self._done_after.get(action.stage) == index and self.on_stage_done:
-                        self.on_stage_done(action.stage)
+                self._run(self.program, train=True)
             self._check_buffers_empty()
             return self._result
         finally:
@@ -351,12 +277,49 @@ class RankRuntime:
         self._begin(inputs or (), (), ())
         try:
             with torch.set_grad_enabled(grad):
-                for action in forward_actions(self.schedule, self.rank, microbatches):
-                    self._execute(action, train=False)
+                self._run(self.forward_program(microbatches), train=False)
             self._check_buffers_empty()
             return self._result
         finally:
             self._end()
+
+    # -- the interpreter loop ------------------------------------------------------------------
+
+    def _run(self, program: Program, *, train: bool) -> None:
+        events = self._result.events
+        mail, transport, abort = self._mail, self.transport, self.abort
+        done, hook = program.stage_done, self.on_stage_done
+        profiling = autograd_profiler._is_profiler_enabled  # a plain flag: cheap to read
+        for index, step in enumerate(program.steps):
+            ins = step.instruction
+            try:
+                if isinstance(ins, Send):
+                    transport.send(ins, mail.pop(ins.key))
+                elif isinstance(ins, Recv):
+                    mail[ins.key] = transport.recv(ins)
+                else:
+                    action = ins.action
+                    if abort is not None and abort.is_set():
+                        raise PipelineAborted(
+                            f"rank {self.rank} cancelled before {action}: another rank failed"
+                        )
+                    handler = _HANDLERS.get(action.op)
+                    if handler is None:
+                        raise ValueError(f"unknown action kind {action.op!r} in {action}")
+                    start = time.perf_counter()
+                    if profiling:
+                        with record_function(step.label):
+                            handler(self, action, step, train)
+                    else:
+                        handler(self, action, step, train)
+                    events.append(Event(self.rank, action.stage, action.op, action.microbatch,
+                                        start, time.perf_counter()))
+            except Exception as err:
+                if not isinstance(err, PipelineAborted):
+                    err.add_note(f"while running {ins} on pipeline rank {self.rank}")
+                raise
+            if hook is not None and index in done:
+                hook(done[index])
 
     # -- per-step bookkeeping ------------------------------------------------------------------
 
@@ -376,14 +339,14 @@ class RankRuntime:
         # Drop everything a failed step may have left, so the next step starts clean.
         self._stash.clear()
         self._pending_w.clear()
-        self._local.clear()
+        self._mail.clear()
         self._inputs, self._targets, self._weights = (), (), ()
 
     def _check_buffers_empty(self) -> None:
         left = {
             "stashed activations": sorted(self._stash),
             "pending weight grads": sorted(self._pending_w),
-            "undelivered same-rank tensors": sorted(self._local),
+            "undelivered messages": sorted(self._mail),
         }
         left = {k: v for k, v in left.items() if v}
         if left:
@@ -394,51 +357,13 @@ class RankRuntime:
 
     # -- actions --------------------------------------------------------------------------------
 
-    def _execute(self, action: Action, *, train: bool) -> None:
-        if self.abort is not None and self.abort.is_set():
-            raise PipelineAborted(
-                f"rank {self.rank} cancelled before {action}: another rank failed"
-            )
-        handler = _HANDLERS.get(action.op)
-        if handler is None:
-            raise ValueError(f"unknown action kind {action.op!r} in {action}")
-        self._started = time.perf_counter()
-        try:
-            with record_function(f"hybridpipe {action}"):
-                handler(self, action, train)
-        except Exception as err:
-            if not isinstance(err, PipelineAborted):
-                err.add_note(f"while running action {action} on pipeline rank {self.rank}")
-            raise
-        end = time.perf_counter()
-        self._result.events.append(
-            Event(self.rank, action.stage, action.op, action.microbatch, self._started, end)
-        )
-
-    def _receive(self, op: Op, stage: int, mb: int) -> tuple[Tensor, ...]:
-        key = (op, stage, mb)
-        if key in self._local:
-            return self._local.pop(key)
-        tensors = self.transport.recv(op, stage, mb)
-        # The Event times compute only: waiting for a peer is idle time, not this action's.
-        self._started = time.perf_counter()
-        return tensors
-
-    def _deliver(self, op: Op, stage: int, mb: int, tensors: tuple[Tensor, ...]) -> None:
-        """Hand F outputs of `stage` to stage+1, or B input-grads of `stage` to stage-1."""
-        peer = stage + 1 if op is Op.F else stage - 1
-        if peer in self.stages:
-            self._local[(op, peer, mb)] = tensors
-        else:
-            self.transport.send(op, stage, mb, tensors)
-
-    def _forward(self, action: Action, train: bool) -> None:
+    def _forward(self, action: Action, step: _Step, train: bool) -> None:
         stage, mb = action.stage, action.microbatch
         module = self.stages[stage]
-        if stage == 0:
+        if step.reads is None:
             inputs = tuple(self._inputs[mb])
         else:
-            inputs = self._receive(Op.F, stage, mb)
+            inputs = self._mail.pop(step.reads)
             if train:
                 # Leaves of this stage's graph: their .grad is what B sends upstream.
                 inputs = tuple(
@@ -456,7 +381,7 @@ class RankRuntime:
                 f"stage {stage} returned a {type(outputs).__name__}; stage modules must return "
                 "a tuple (the last stage a 1-tuple holding the model output)"
             )
-        if stage == self.last_stage:
+        if step.writes is None:  # the last stage
             output = outputs[0]
             check_output(output, stage)
             if not train:
@@ -483,46 +408,45 @@ class RankRuntime:
                 )
         if train:
             self._stash[(stage, mb)] = (inputs, outputs)
-            self._deliver(Op.F, stage, mb, tuple(t.detach() for t in outputs))
+            self._mail[step.writes] = tuple(t.detach() for t in outputs)
         else:
-            self._deliver(Op.F, stage, mb, outputs)
+            self._mail[step.writes] = outputs
 
     def _roots(
-        self, stage: int, mb: int, outputs: tuple[Tensor, ...]
+        self, step: _Step, outputs: tuple[Tensor, ...]
     ) -> tuple[list[Tensor], list[Tensor | None]]:
         """The tensors to differentiate and their incoming grads (None for the loss)."""
-        if stage == self.last_stage:
+        if step.reads is None:  # the last stage: the loss
             return [outputs[0]], [None]
-        grads = self._receive(Op.B, stage, mb)
+        grads = self._mail.pop(step.reads)
         floats = [t for t in outputs if _is_float(t)]
         if len(grads) != len(floats):
             raise RuntimeError(
-                f"stage {stage} microbatch {mb} got {len(grads)} output grads for "
-                f"{len(floats)} floating-point outputs"
+                f"{step.instruction} got {len(grads)} output grads for {len(floats)} "
+                "floating-point outputs"
             )
         pairs = [(t, g) for t, g in zip(floats, grads, strict=True) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _send_input_grads(
-        self, stage: int, mb: int, inputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]
+        self, step: _Step, inputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]
     ) -> None:
-        if stage == 0:
+        if step.writes is None:  # stage 0: its inputs need no gradient
             return
         floats = [t for t in inputs if _is_float(t)]
-        payload = tuple(
+        self._mail[step.writes] = tuple(
             torch.zeros_like(t) if g is None else g for t, g in zip(floats, grads, strict=True)
         )
-        self._deliver(Op.B, stage, mb, payload)
 
-    def _backward(self, action: Action, train: bool) -> None:
+    def _backward(self, action: Action, step: _Step, train: bool) -> None:
         stage, mb = action.stage, action.microbatch
         inputs, outputs = self._stash.pop((stage, mb))
-        roots, grads = self._roots(stage, mb, outputs)
-        floats = [t for t in inputs if _is_float(t)] if stage > 0 else []
+        roots, grads = self._roots(step, outputs)
+        floats = [t for t in inputs if _is_float(t)] if step.writes is not None else []
         if not self.schedule.splits_backward:
             if roots:
                 torch.autograd.backward(roots, grads)
-            self._send_input_grads(stage, mb, inputs, [t.grad for t in floats])
+            self._send_input_grads(step, inputs, [t.grad for t in floats])
             return
         wanted = [t for t in floats if t.requires_grad]
         dx, work = backward_input(
@@ -533,15 +457,14 @@ class RankRuntime:
             save_weight_paths=not self.checkpoint_activations,
         )
         by_id = {id(t): g for t, g in zip(wanted, dx, strict=True)}
-        self._send_input_grads(stage, mb, inputs, [by_id.get(id(t)) for t in floats])
+        self._send_input_grads(step, inputs, [by_id.get(id(t)) for t in floats])
         self._pending_w[(stage, mb)] = work
 
-    def _weight(self, action: Action, train: bool) -> None:
-        stage, mb = action.stage, action.microbatch
-        if (stage, mb) not in self._pending_w:
+    def _weight(self, action: Action, step: _Step, train: bool) -> None:
+        key = (action.stage, action.microbatch)
+        if key not in self._pending_w:
             raise RuntimeError(f"{action} has no matching B before it on rank {self.rank}")
-        backward_weight(self._pending_w.pop((stage, mb)))
-
+        backward_weight(self._pending_w.pop(key))
 
 # ---------------------------------------------------------------------------------------------
 # Split backward (zero-bubble B and W)
@@ -715,7 +638,7 @@ def backward_weight(work: WeightWork) -> None:
         torch.autograd.backward(work.roots, work.grads, inputs=work.params)
 
 
-_HANDLERS: dict[Op, Callable[[RankRuntime, Action, bool], None]] = {
+_HANDLERS: dict[Op, Callable[[RankRuntime, Action, _Step, bool], None]] = {
     Op.F: RankRuntime._forward,
     Op.B: RankRuntime._backward,
     Op.W: RankRuntime._weight,

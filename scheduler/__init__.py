@@ -3,7 +3,20 @@ and no torch."""
 
 from scheduler.generators import SCHEDULES, build_schedule
 from scheduler.ir import Action, Op, Schedule
-from scheduler.lowering import Compute, Instruction, Recv, Send, lower, receive_order
+from scheduler.lowering import (
+    Compute,
+    Instruction,
+    MessageKey,
+    Recv,
+    Send,
+    consumer_stage,
+    describe_message,
+    forward_only,
+    incoming,
+    lower,
+    producer,
+    receive_order,
+)
 from scheduler.simulate import rank_costs_to_stages, simulate
 from scheduler.timeline import Event, Timeline
 from scheduler.validate import validate
@@ -25,4 +38,10 @@ __all__ = [
     "Send",
     "Recv",
     "Instruction",
+    "MessageKey",
+    "consumer_stage",
+    "describe_message",
+    "producer",
+    "incoming",
+    "forward_only",
 ]

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from scheduler.ir import Action, Op, Schedule
+from scheduler.lowering import producer
 
 _OP_INDEX = {Op.F: 0, Op.B: 1, Op.W: 2}
 _OPS = (Op.F, Op.B, Op.W)
@@ -24,14 +25,9 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
     own F: the loss is computed inside the last stage's F); W(s,m) needs B(s,m).
     """
     s, m = action.stage, action.microbatch
-    if action.op is Op.F:
-        return [Action(s - 1, Op.F, m)] if s > 0 else []
-    if action.op is Op.B:
-        deps = [Action(s, Op.F, m)]
-        if s < num_stages - 1:
-            deps.append(Action(s + 1, Op.B, m))
-        return deps
-    return [Action(s, Op.B, m)]
+    own = {Op.F: [], Op.B: [Action(s, Op.F, m)], Op.W: [Action(s, Op.B, m)]}[action.op]
+    source = producer(action, num_stages)
+    return own if source is None else [*own, source]
 
 
 def format_grid(schedule: Schedule, marks: dict[tuple[int, int], str] | None = None) -> str:
@@ -166,22 +162,23 @@ def execute(
     free = [0.0] * n_ranks
     times: list[list[tuple[float, float]]] = [[] for _ in range(n_ranks)]
     ranks = [[(a.stage, _OP_INDEX[a.op], a.microbatch) for a in acts] for acts in schedule.actions]
+    # (stage, op index) pairs each (stage, op) waits for, from the one dependency rule.
+    needs = [
+        [
+            tuple((d.stage, _OP_INDEX[d.op]) for d in dependencies(Action(s, op, 0), num_stages))
+            for op in _OPS
+        ]
+        for s in range(num_stages)
+    ]
     queue = deque(range(n_ranks))
     while queue:
         rank = queue.popleft()
         acts, i, t_free, out = ranks[rank], pointer[rank], free[rank], times[rank]
         while i < len(acts):
             s, o, m = acts[i]
-            deps: tuple[tuple[int, int], ...]
-            if o == 0:
-                deps = ((s - 1, 0),) if s > 0 else ()
-            elif o == 1:
-                deps = ((s, 0), (s + 1, 1)) if s < num_stages - 1 else ((s, 0),)
-            else:
-                deps = ((s, 1),)
             start = t_free
             blocked = -1
-            for ds, do in deps:
+            for ds, do in needs[s][o]:
                 key = (ds * 3 + do) * num_mb + m
                 end = done.get(key)
                 if end is None:

@@ -261,9 +261,9 @@ def worker_schedules(out: Path) -> None:
     _init()
     for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev"):
         Checker(2, schedule).train(10)
-    import pipeline.distributed
+    import pipeline.distributed.gradsync
 
-    pipeline.distributed.BUCKET_BYTES = 4096  # several gradient buckets per stage
+    pipeline.distributed.gradsync.BUCKET_BYTES = 4096  # several gradient buckets per stage
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         Checker(1, schedule).train(10)
     c = Checker(2, "1f1b")
@@ -441,6 +441,8 @@ def test_layout_and_divisibility() -> None:
     assert (layout.data_parallel, layout.pp_rank, layout.dp_rank) == (2, 1, 1)
     assert layout.pipeline_ranks() == [4, 5, 6, 7]
     assert layout.replica_ranks() == [1, 5]
+    assert layout.global_rank(3, 0) == 3 and layout.coordinate(6) == (1, 2)
+    assert layout.describe(6) == "rank 6 (pipeline rank 2 of replica 1)"
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by stages=4"):
         make_layout(4, world_size=6, rank=0)
     with pytest.raises(ValueError, match=r"stages=2 x data_parallel=3 = 6 processes"):
@@ -448,36 +450,39 @@ def test_layout_and_divisibility() -> None:
 
 
 def test_message_packing_and_metadata_round_trip() -> None:
-    from pipeline.distributed import _decode_meta, _encode_meta, _pack, _unpack
+    from pipeline.distributed.p2p import decode_meta, encode_meta, pack, unpack
 
     tensors = [torch.randn(2, 3), torch.arange(5), torch.randn(4).t(), torch.ones(1, 1, 2)]
-    layout = _decode_meta(_encode_meta(tensors))
+    layout = decode_meta(encode_meta(tensors))
     assert layout == [(t.dtype, tuple(t.shape)) for t in tensors]
-    flats = _pack(tensors)
+    flats = pack(tensors)
     assert [d for d in flats] == [torch.float32, torch.int64]  # one message per dtype
-    for got, want in zip(_unpack(flats, layout), tensors, strict=True):
+    for got, want in zip(unpack(flats, layout), tensors, strict=True):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="at most 64 tensors"):
-        _encode_meta([torch.zeros(1)] * 65)
+        encode_meta([torch.zeros(1)] * 65)
 
 
-def test_receive_order_follows_each_senders_order() -> None:
-    from pipeline.distributed import _CommPlan
-    from scheduler import Send, build_schedule, lower
+def test_receives_are_posted_in_each_senders_order() -> None:
+    """Rank 0 needs 1F1 before 1F0 but rank 1 sends 1F0 first: an in-order transport (NCCL)
+    must post rank 0's receives in rank 1's send order, which `incoming` gives."""
+    from scheduler import Op, Recv, Schedule, incoming, lower, receive_order, validate
 
-    for name in ("1f1b", "interleaved-1f1b", "zbv", "zb-h1"):
-        schedule = build_schedule(name, 4, 8)
-        program = lower(schedule)
-        for me in range(4):
-            plan = _CommPlan.of(schedule, me)
-            for peer, msgs in plan.incoming.items():
-                sent = [(i.op, i.stage, i.microbatch) for i in program[peer]
-                        if isinstance(i, Send) and i.peer == me]
-                assert msgs == sent, (name, me, peer)
-            received = sum(len(v) for v in plan.incoming.values())
-            expected = sum(1 for rank in program for i in rank
-                           if isinstance(i, Send) and i.peer == me)
-            assert received == expected > 0, (name, me)
+    schedule = Schedule.from_text(
+        "0F0 0F1 2F1 2F0 2B0 2B1 0B0 0B1\n"
+        "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
+    )
+    validate(schedule)
+    F, B = Op.F, Op.B
+    program = lower(schedule)
+    assert incoming(program, 0) == {
+        1: [(F, 1, 0), (F, 1, 1), (B, 3, 0), (B, 3, 1), (B, 1, 0), (B, 1, 1)]
+    }
+    assert incoming(program, 1) == {
+        0: [(F, 0, 0), (F, 0, 1), (F, 2, 1), (F, 2, 0), (B, 2, 0), (B, 2, 1)]
+    }
+    assert receive_order(schedule)[0][:2] == [Recv(F, 1, 1, peer=1), Recv(F, 1, 0, peer=1)]
+    assert incoming(lower(Schedule.from_text("0F0 0B0")), 0) == {}
 
 
 def test_gradient_buckets_respect_the_cap() -> None:

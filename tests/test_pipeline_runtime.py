@@ -15,15 +15,14 @@ from torch.nn import functional as F
 
 from pipeline import Pipeline, streams
 from pipeline.local import LocalTransport, _Mailbox
-from pipeline.runtime import (
-    PipelineAborted,
-    RankRuntime,
+from pipeline.microbatch import (
     batch_size,
     merge_microbatches,
     microbatch_sizes,
     split_microbatches,
 )
-from scheduler import Op, Schedule, build_schedule
+from pipeline.runtime import PipelineAborted, RankRuntime
+from scheduler import Op, Recv, Schedule, Send, build_schedule
 
 ATOL = 1e-10
 
@@ -42,11 +41,11 @@ class Stage(nn.Module):
 class NoTransport:
     """For runtimes that hold every stage: any cross-rank traffic is a bug."""
 
-    def send(self, op: Op, stage: int, microbatch: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        raise AssertionError(f"unexpected send {op}{stage} mb {microbatch}")
+    def send(self, send: Send, tensors: tuple[torch.Tensor, ...]) -> None:
+        raise AssertionError(f"unexpected {send}")
 
-    def recv(self, op: Op, stage: int, microbatch: int) -> tuple[torch.Tensor, ...]:
-        raise AssertionError(f"unexpected recv {op}{stage} mb {microbatch}")
+    def recv(self, recv: Recv) -> tuple[torch.Tensor, ...]:
+        raise AssertionError(f"unexpected {recv}")
 
 
 def test_split_and_merge_keep_structure_and_sizes() -> None:
@@ -114,7 +113,7 @@ def test_buffers_check_catches_leftovers() -> None:
     with pytest.raises(RuntimeError, match=r"leftovers .*stashed activations.*\(0, 0\)"):
         runtime.run_step([(x,)], [y], [1.0])
     # A failed step leaves nothing behind for the next one.
-    assert not runtime._stash and not runtime._local and not runtime._pending_w
+    assert not runtime._stash and not runtime._mail and not runtime._pending_w
 
 
 def test_runtime_rejects_wrong_stage_set() -> None:
@@ -124,10 +123,8 @@ def test_runtime_rejects_wrong_stage_set() -> None:
 
 
 def test_transport_wait_times_out_with_a_clear_message() -> None:
-    schedule = build_schedule("1f1b", 2, 2)
     transport = LocalTransport(
         1,
-        schedule,
         [torch.device("cpu")] * 2,
         [_Mailbox(), _Mailbox()],
         [streams.CPU_STREAM] * 2,
@@ -136,19 +133,17 @@ def test_transport_wait_times_out_with_a_clear_message() -> None:
     )
     with pytest.raises(
         TimeoutError,
-        match=r"rank 1 waited 0.1 s for op F of stage 1 "
-        r"microbatch 0.*Pipeline\(timeout=\.\.\.\)",
+        match=r"pipeline rank 1 waited 0.1 s for activations of stage 0 microbatch 0 \(0F0\) "
+        r"from pipeline rank 0.*Pipeline\(timeout=\.\.\.\)",
     ):
-        transport.recv(Op.F, 1, 0)
+        transport.recv(Recv(Op.F, 0, 0, peer=0))
 
 
 def test_transport_wait_stops_on_abort() -> None:
-    schedule = build_schedule("1f1b", 2, 2)
     abort = threading.Event()
     abort.set()
     transport = LocalTransport(
         1,
-        schedule,
         [torch.device("cpu")] * 2,
         [_Mailbox(), _Mailbox()],
         [streams.CPU_STREAM] * 2,
@@ -156,21 +151,20 @@ def test_transport_wait_stops_on_abort() -> None:
         timeout=60.0,
     )
     with pytest.raises(PipelineAborted, match="another rank failed"):
-        transport.recv(Op.B, 0, 1)
+        transport.recv(Recv(Op.B, 1, 1, peer=0))
 
 
 def test_transport_delivers_by_key_in_any_order() -> None:
-    schedule = build_schedule("1f1b", 2, 2)
     boxes = [_Mailbox(), _Mailbox()]
     cpu = [torch.device("cpu")] * 2
-    t0 = LocalTransport(0, schedule, cpu, boxes, [streams.CPU_STREAM] * 2, threading.Event(), 1.0)
-    t1 = LocalTransport(1, schedule, cpu, boxes, [streams.CPU_STREAM] * 2, threading.Event(), 1.0)
+    t0 = LocalTransport(0, cpu, boxes, [streams.CPU_STREAM] * 2, threading.Event(), 1.0)
+    t1 = LocalTransport(1, cpu, boxes, [streams.CPU_STREAM] * 2, threading.Event(), 1.0)
     a, b = torch.ones(1), torch.zeros(1)
-    t0.send(Op.F, 0, 0, (a,))
-    t0.send(Op.F, 0, 1, (b,))
-    assert t1.recv(Op.F, 1, 1)[0] is b and t1.recv(Op.F, 1, 0)[0] is a
-    t1.send(Op.B, 1, 0, (a,))
-    assert t0.recv(Op.B, 0, 0)[0] is a
+    t0.send(Send(Op.F, 0, 0, peer=1), (a,))
+    t0.send(Send(Op.F, 0, 1, peer=1), (b,))
+    assert t1.recv(Recv(Op.F, 0, 1, peer=0))[0] is b and t1.recv(Recv(Op.F, 0, 0, peer=0))[0] is a
+    t1.send(Send(Op.B, 1, 0, peer=0), (a,))
+    assert t0.recv(Recv(Op.B, 1, 0, peer=1))[0] is a
     assert not boxes[0].items and not boxes[1].items
 
 

@@ -1,0 +1,304 @@
+"""`DistributedExecutor`: this process's pipeline rank of a Schedule under torch.distributed.
+It runs the shared `RankRuntime` over a `P2PTransport`, averages gradients over replicas
+(`GradSync`), agrees on each step's batch shapes with its pipeline, and ends each step with
+the loss on every process and the pipeline's trace on global rank 0.
+
+Shapes. Tensor shapes and dtypes crossing ranks come from running the plan: at the first step
+(and whenever the batch's shapes change) each message is preceded by a small metadata message,
+cached under a key of the batch's shapes. Every step the first stage's rank sends that key (two
+integers) to the other ranks of its pipeline, so a new batch shape re-agrees instead of hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from partitioner import StageModule
+from pipeline.distributed.context import DistContext, agree
+from pipeline.distributed.gradsync import GradSync, sync_replicas
+from pipeline.distributed.p2p import (
+    LOSS_TAG,
+    MAX_MICROBATCHES,
+    MAX_STAGES,
+    SIG_TAG,
+    TRACE_TAG,
+    P2PTransport,
+)
+from pipeline.executor import Executor
+from pipeline.planner import Coordination, Planned
+from pipeline.runtime import LossFn, RankRuntime, StepResult
+from scheduler import Event, MessageKey, Op, Timeline, forward_only, incoming, lower
+
+
+@dataclass
+class _Pending:
+    """A started end-of-step transfer: its Work, the peer (None for a collective), what it
+    carries (for error messages) and the receive buffer, if any."""
+
+    work: Any
+    peer: int | None
+    what: str
+    buffer: Tensor | None = None
+
+
+def _shape_key(mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]]) -> int:
+    desc = [mode, count] + [
+        (tuple(t.shape), str(t.dtype)) for mb in inputs for t in mb if isinstance(t, Tensor)
+    ]
+    digest = hashlib.blake2b(repr(desc).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+class DistributedExecutor(Executor):
+    """Runs this process's pipeline rank (see pipeline.distributed for the rank layout).
+
+    At `load` it keeps the stages placed on its pipeline rank (the others' tensors are freed)
+    and copies their weights from replica 0 to the other replicas. `run_step` returns the
+    global mean loss (the mean over replicas of each replica's loss) on every rank; grads on
+    this process's parameters are averaged over its replicas. With `gather_trace`, global rank
+    0's trace holds every rank of its pipeline (one message per rank per step); elsewhere the
+    trace holds this rank's own events.
+    """
+
+    def __init__(
+        self,
+        stages: int,
+        data_parallel: int | None = None,
+        *,
+        timeout: float | None = None,
+        gather_trace: bool = True,
+        bucket_bytes: int | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        super().__init__()
+        ctx = DistContext(stages, data_parallel, timeout=timeout)
+        self.context: DistContext = ctx
+        self.layout = ctx.layout
+        self.devices = [ctx.device] * stages
+        self.coordination = Coordination(
+            leads=self.layout.rank == 0, agree=agree, device=ctx.device, keeps_whole_model=False
+        )
+        self.transport = P2PTransport(ctx, prefetch=prefetch)
+        self.bucket_bytes = bucket_bytes
+        self._tags_match = dist.get_backend() == "gloo"
+        self._gathers_trace = gather_trace and self.layout.dp_rank == 0 and stages > 1
+        self._mine: dict[int, StageModule] = {}
+        self._incoming: dict[tuple[str, int], dict[int, list[MessageKey]]] = {}
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def setting_up(self) -> AbstractContextManager[None]:
+        return self.context.guard("setup")
+
+    def load(
+        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: bool
+    ) -> None:
+        schedule = planned.schedule
+        if schedule.num_stages > MAX_STAGES or schedule.num_microbatches >= MAX_MICROBATCHES:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages and "
+                f"{schedule.num_microbatches} microbatches; the distributed executor supports "
+                f"at most {MAX_STAGES} stages and {MAX_MICROBATCHES - 1} microbatches"
+            )
+        if schedule.num_ranks != self.layout.stages:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the layout has "
+                f"stages={self.layout.stages}; build the schedule for {self.layout.stages} ranks"
+            )
+        self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
+        kept = {id(t) for m in self._mine.values() for t in (*m.parameters(), *m.buffers())}
+        with torch.no_grad():
+            for t in (*planned.model.parameters(), *planned.model.buffers()):
+                if id(t) not in kept:  # another process's stage: free its memory
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        super().load(planned, loss_fn=loss_fn, checkpoint_activations=checkpoint_activations)
+
+    def reload(self) -> None:
+        """Move the held stages to this process's device (meta stages, of a model built on
+        the meta device, stay there until load_state_dict gives them weights), copy replica
+        0's weights to the other replicas, and rebuild the runtime and gradient buckets."""
+        if self.planned is None:
+            return
+        for module in self._mine.values():
+            if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                module.to(self.context.device)
+        self.grads = GradSync(
+            self.context, {s: list(m.parameters()) for s, m in self._mine.items()},
+            bucket_bytes=self.bucket_bytes,
+        )
+        self.runtime = RankRuntime(
+            self.layout.pp_rank,
+            self._schedule,
+            self._mine,
+            self.transport,
+            device=self.context.device,
+            loss_fn=self.loss_fn,
+            checkpoint_activations=self.checkpoint_activations,
+            on_stage_done=self.grads.start,
+        )
+        sync_replicas(self.context, list(self._mine.values()))
+
+    def held(self) -> dict[int, StageModule]:
+        return dict(self._mine)
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self._mine
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.planned is not None and self.planned.schedule.num_stages - 1 in self._mine
+
+    def describe(self) -> str:
+        return f"{self.layout.describe()}"
+
+    def named_parameters(
+        self, model: nn.Module, prefix: str = "", recurse: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        if not self._mine:
+            return model.named_parameters(prefix, recurse)
+        own = {k: p for m in self._mine.values() for k, p in m.named_parameters()}
+        return ((prefix + k, p) for k, p in own.items())
+
+    # -- per-step agreement -----------------------------------------------------------------------
+
+    def _messages(self, mode: str, count: int) -> dict[int, list[MessageKey]]:
+        """Per peer pipeline rank, the messages it sends this rank, in its send order."""
+        if (mode, count) not in self._incoming:
+            schedule = self._schedule
+            if mode != "train":
+                schedule = forward_only(schedule, count)
+            self._incoming[(mode, count)] = incoming(lower(schedule), self.layout.pp_rank)
+        return self._incoming[(mode, count)]
+
+    def _agree_key(
+        self, mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]] | None
+    ) -> tuple[int, int]:
+        """The first stage's rank tells its pipeline the batch-shape key and microbatch count."""
+        first = self.layout.global_rank(self._schedule.placement[0])
+        device = self.context.device
+        if self.layout.rank == first:
+            if inputs is None:
+                raise ValueError(
+                    f"{self.layout.describe()} runs stage 0 and needs the batch; pass this "
+                    "replica's inputs to step()/forward on this process"
+                )
+            sig = torch.tensor(
+                [_shape_key(mode, count, inputs), count], dtype=torch.int64, device=device
+            )
+            for r in self.layout.pipeline_ranks():
+                if r != first:  # completion is awaited with the step's other sends
+                    self.transport.track(
+                        dist.isend(sig, dst=r, tag=SIG_TAG), r, sig, "the batch-shape key"
+                    )
+            return int(sig[0]), count
+        sig = torch.empty(2, dtype=torch.int64, device=device)
+        self.context.wait_work(
+            dist.irecv(sig, src=first, tag=SIG_TAG), first, "the batch-shape key"
+        )
+        return int(sig[0]), int(sig[1])
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _run_step(
+        self,
+        inputs: Sequence[tuple[Tensor, ...]] | None,
+        targets: Sequence[Any] | None,
+        loss_weights: Sequence[float],
+    ) -> StepResult:
+        schedule = self._schedule
+        ctx = self.context
+        with ctx.guard("training step"):
+            key, _ = self._agree_key("train", schedule.num_microbatches, inputs)
+            self.transport.begin(key, self._messages("train", schedule.num_microbatches))
+            total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+            pending = self._end_receives(total) if self._tags_match else []
+            result = self.runtime.run_step(inputs, targets, loss_weights)
+            if self.holds_last_stage:
+                total += torch.stack([v.to(torch.float64) for v in result.losses.values()]).sum()
+            if not self._tags_match:
+                pending += self._end_receives(total)
+            pending += self._end_sends(total, result.events)
+            self.transport.finish()
+            self.grads.finish()
+            timeline = self._finish(pending, result.events)
+        return StepResult(total / self.layout.data_parallel, timeline)
+
+    def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
+        """Forward only; on the last stage's rank the output per microbatch, elsewhere []."""
+        with self.context.guard("forward pass"):
+            count = len(inputs) if inputs is not None else 0
+            key, count = self._agree_key("forward", count, inputs)
+            self.transport.begin(key, self._messages("forward", count))
+            result = self.runtime.run_forward(inputs, count, grad=torch.is_grad_enabled())
+            self.transport.finish()
+        if not self.holds_last_stage:
+            return []
+        return [result.outputs[m] for m in range(count)]
+
+    # -- the end of a step: the loss on every rank, the trace on global rank 0 ---------------------
+
+    def _end_receives(self, total: Tensor) -> list[_Pending]:
+        """The step's last messages for this rank: with data parallelism every rank but the
+        last stage's joins the loss all-reduce (adding 0); otherwise those ranks receive the
+        loss from the last stage's rank. Global rank 0 receives its pipeline's traces (one
+        row per action). With gloo (tags match messages) these are posted when the step
+        starts, so they are complete when waited on; in-order backends post them at the end."""
+        pending: list[_Pending] = []
+        if not self.holds_last_stage:
+            if self.layout.data_parallel > 1:
+                pending.append(_Pending(dist.all_reduce(total, async_op=True), None, "the loss"))
+            else:
+                last = self.layout.global_rank(self._schedule.placement[-1])
+                work = dist.irecv(total, src=last, tag=LOSS_TAG)
+                pending.append(_Pending(work, last, "the loss"))
+        if self._gathers_trace and self.layout.rank == 0:
+            for peer in range(1, self.layout.stages):
+                n = len(self._schedule.actions[peer])
+                buf = torch.empty(n * 5, dtype=torch.float64, device=self.context.device)
+                src = self.layout.global_rank(peer)
+                work = dist.irecv(buf, src=src, tag=TRACE_TAG)
+                pending.append(_Pending(work, src, "the trace", buf))
+        return pending
+
+    def _end_sends(self, total: Tensor, events: Sequence[Event]) -> list[_Pending]:
+        """The last stage's rank shares the loss; replica 0's other ranks send their trace."""
+        pending: list[_Pending] = []
+        if self.holds_last_stage:
+            if self.layout.data_parallel > 1:
+                pending.append(_Pending(dist.all_reduce(total, async_op=True), None, "the loss"))
+            else:
+                for r in self.layout.pipeline_ranks():
+                    if r != self.layout.rank:
+                        work = dist.isend(total, dst=r, tag=LOSS_TAG)
+                        pending.append(_Pending(work, r, "the delivery of the loss"))
+        if self._gathers_trace and self.layout.rank != 0:
+            rows = [[e.stage, "FBW".index(e.op.value), e.microbatch, e.start, e.end]
+                    for e in events]
+            packed = torch.tensor(rows, dtype=torch.float64, device=self.context.device)
+            work = dist.isend(packed.reshape(-1), dst=0, tag=TRACE_TAG)
+            pending.append(_Pending(work, 0, "the delivery of the trace", packed))
+        return pending
+
+    def _finish(self, pending: Sequence[_Pending], events: Sequence[Event]) -> Timeline:
+        every = list(events)
+        for item in pending:
+            self.context.wait_work(item.work, item.peer, item.what)
+            if item.what == "the trace" and item.buffer is not None and item.peer is not None:
+                pp_rank = self.layout.coordinate(item.peer)[1]
+                for stage, op, mb, start, end in item.buffer.reshape(-1, 5).tolist():
+                    every.append(
+                        Event(pp_rank, int(stage), Op("FBW"[int(op)]), int(mb), start, end)
+                    )
+        every.sort(key=lambda e: e.start)
+        schedule = self._schedule
+        return Timeline(tuple(every), self.layout.stages, schedule.splits_backward,
+                        name=schedule.name)

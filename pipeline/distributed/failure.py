@@ -1,0 +1,123 @@
+"""The failure protocol between processes: every wait is bounded by the timeout; a process
+that fails records the first failure of the job in the c10d store and tears its process
+group down, so that its peers' waits fail at once and each of them raises `RankFailure`
+naming the process that failed first (or the one that stopped answering)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from pipeline.distributed.topology import Layout
+from pipeline.timeouts import ENV_TIMEOUT
+
+_FAILED_COUNT = "hybridpipe/failed/count"
+_FAILED_TEXT = "hybridpipe/failed/text"
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed (raised, was killed, or stopped answering); names it."""
+
+
+class CommError(RuntimeError):
+    """A wait on another rank failed (connection closed, timed out); `peer` is its global
+    rank, None for a collective (which does not say which member is gone)."""
+
+    def __init__(self, message: str, peer: int | None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class Failures:
+    """Reports and explains failures for this process (`layout`) through the c10d `store`."""
+
+    def __init__(self, store: dist.Store, layout: Layout, timeout: float) -> None:
+        self.store = store
+        self.layout = layout
+        self.timeout = timeout
+        self.wait = timedelta(seconds=timeout)
+        self.broken: str | None = None
+
+    def report(self, text: str) -> None:
+        """Record the first failure of the job in the store (later reports are dropped)."""
+        try:
+            if self.store.add(_FAILED_COUNT, 1) == 1:
+                self.store.set(_FAILED_TEXT, text)
+        except RuntimeError:
+            pass  # the store went down with the failed rank: peers fall back to their own view
+
+    def cause(self) -> str | None:
+        """The failure recorded in the store, if any (never blocks)."""
+        try:
+            if self.store.check([_FAILED_TEXT]):
+                return self.store.get(_FAILED_TEXT).decode()
+        except RuntimeError:
+            return None
+        return None
+
+    def _await_cause(self, seconds: float) -> str | None:
+        try:
+            self.store.wait([_FAILED_TEXT], timedelta(seconds=seconds))
+        except RuntimeError:  # DistStoreError (timeout, store gone) derives from RuntimeError
+            return None
+        return self.cause()
+
+    @staticmethod
+    def tear_down() -> None:
+        """Destroy the process groups so peers blocked on this rank fail at once."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Run a collective piece of work; on failure record/explain it, tear the groups down
+        and raise (the original error for a local fault, RankFailure for a peer's)."""
+        if self.broken is not None:
+            raise RankFailure(
+                f"{self.layout.describe()} cannot run a {what}: the process groups were torn "
+                f"down after an earlier failure ({self.broken}); restart the job from a checkpoint"
+            )
+        try:
+            yield
+        except RankFailure:
+            raise  # already explained by an inner guard
+        except BaseException as err:
+            cause = self.cause()
+            if cause is None and isinstance(err, CommError):
+                if err.peer is None:
+                    # A collective does not say which member is gone; a point-to-point peer
+                    # of the failed rank usually does, moments later.
+                    cause = self._await_cause(min(self.timeout, 3.0))
+                if cause is None:
+                    peer = "a peer" if err.peer is None else self.layout.describe(err.peer)
+                    cause = f"{peer} stopped responding (killed, crashed or hung): {err}"
+                    self.report(cause)
+            if cause is not None:  # another rank failed first; this error follows from it
+                self.broken = cause
+                self.tear_down()
+                raise RankFailure(
+                    f"{self.layout.describe()} stopped its {what} because {cause}"
+                ) from err
+            text = f"{self.layout.describe()} raised {type(err).__name__}: {err}"
+            self.report(text)
+            self.broken = text
+            self.tear_down()
+            err.add_note(f"hybridpipe: {text}; the other ranks are told and stop")
+            raise
+
+    def wait_work(self, work: Any, peer: int | None, what: str) -> None:
+        """Wait for a torch.distributed Work under the timeout, as a CommError on failure."""
+        try:
+            work.wait(timeout=self.wait)
+        except RuntimeError as err:
+            source = "the other ranks" if peer is None else self.layout.describe(peer)
+            raise CommError(
+                f"{self.layout.describe()} waiting for {what} from {source} failed "
+                f"(timeout {self.timeout:g} s; set Pipeline(timeout=...) or ${ENV_TIMEOUT}): "
+                f"{str(err).splitlines()[0]}",
+                peer,
+            ) from err

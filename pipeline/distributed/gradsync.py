@@ -1,0 +1,104 @@
+"""Data-parallel gradient averaging and replica start-up: each stage's gradients are averaged
+over its replicas (the process's "dp" mesh group) in dtype buckets all-reduced as soon as
+the stage's last backward is done, and replicas start from replica 0's weights.
+
+Hook for tied parameters (one weight used by stages on different pipeline ranks): their
+gradients need a sum over the ranks that hold a copy before the replica average; that is a
+second bucket list over its own group, started from the same `start`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipeline.distributed.context import DistContext
+
+BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket cap (as DDP's 25 MB)
+
+
+class GradSync:
+    """Averages each stage's gradients over its replicas: per stage, buckets of at most
+    `bucket_bytes` (one dtype each) are flattened and all-reduced asynchronously when `start`
+    is called (RankRuntime's on_stage_done), and copied back in `finish` at the end of step."""
+
+    def __init__(
+        self,
+        ctx: DistContext,
+        stage_params: Mapping[int, Sequence[nn.Parameter]],
+        bucket_bytes: int | None = None,
+    ) -> None:
+        cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.ctx = ctx
+        self.size = ctx.layout.data_parallel
+        self.buckets: dict[int, list[list[nn.Parameter]]] = {}
+        for stage, params in stage_params.items():
+            buckets: list[list[nn.Parameter]] = []
+            current: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
+            for p in reversed([p for p in params if p.requires_grad]):
+                group, used = current.get(p.dtype, ([], 0))
+                if group and used + p.numel() * p.element_size() > cap:
+                    buckets.append(group)
+                    group, used = [], 0
+                group.append(p)
+                current[p.dtype] = (group, used + p.numel() * p.element_size())
+            buckets.extend(g for g, _ in current.values() if g)
+            self.buckets[stage] = buckets
+        self._pending: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
+
+    @property
+    def _peer(self) -> int | None:
+        """The one other member of a two-replica group (to name it if it fails)."""
+        others = [r for r in self.ctx.layout.replica_ranks() if r != self.ctx.layout.rank]
+        return others[0] if len(others) == 1 else None
+
+    def start(self, stage: int) -> None:
+        if self.size == 1:
+            return
+        for params in self.buckets.get(stage, []):
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=self.ctx.dp_group, async_op=True)
+            self._pending.append((work, flat, params))
+
+    def finish(self) -> None:
+        try:
+            for work, flat, params in self._pending:
+                self.ctx.wait_work(work, self._peer, "the gradient all-reduce")
+                flat.div_(self.size)
+                offset = 0
+                for p in params:
+                    n = p.numel()
+                    value = flat[offset : offset + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = value.clone()
+                    else:
+                        p.grad.copy_(value)
+                    offset += n
+        finally:
+            self._pending.clear()
+
+
+def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
+    """Copy replica 0's parameters and buffers of these stages to the other replicas (as DDP
+    does at construction), so replicas start equal even when processes seeded differently.
+    Meta tensors (weights still to be loaded) are skipped."""
+    if ctx.layout.data_parallel == 1:
+        return
+    src = ctx.layout.global_rank(ctx.layout.pp_rank, 0)
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta]
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with ctx.guard("replica sync"), torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            work = dist.broadcast(flat, src=src, group=ctx.dp_group, async_op=True)
+            ctx.wait_work(work, None if ctx.layout.rank == src else src, "replica 0's weights")
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,168 @@
+"""The `Executor` interface `Pipeline` runs through, and what both executors share: checking
+a batch, splitting it into microbatches (with each microbatch's loss weight) and placing
+them on the devices of the first and last stage. An executor places the planned stage modules
+on its devices (`load`) and runs steps; the local one with one thread per pipeline rank
+(pipeline.local), the distributed one with one process per pipeline rank
+(pipeline.distributed)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from partitioner import StageModule
+from pipeline.microbatch import (
+    batch_size,
+    merge_microbatches,
+    microbatch_sizes,
+    split_microbatches,
+    to_device,
+)
+from pipeline.planner import Coordination, Planned
+from pipeline.runtime import LossFn, StepResult
+from scheduler import Schedule
+
+if TYPE_CHECKING:
+    from pipeline.distributed.context import DistContext
+
+
+class Executor(ABC):
+    """Runs a planned pipeline. `devices[r]`: the device of pipeline rank r (as this process
+    sees it); `coordination`: how this executor's processes plan together; `context`: the
+    process groups under torch.distributed, else None."""
+
+    devices: list[torch.device]
+    coordination: Coordination
+    context: DistContext | None = None
+
+    def __init__(self) -> None:
+        self.planned: Planned | None = None
+        self.loss_fn: LossFn | None = None
+        self.checkpoint_activations = False
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def load(
+        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: bool
+    ) -> None:
+        """Take the plan: place the stages this process holds on their devices (freeing the
+        others') and get ready to run."""
+        self.planned = planned
+        self.loss_fn = loss_fn
+        self.checkpoint_activations = checkpoint_activations
+        self.reload()
+
+    def setting_up(self) -> AbstractContextManager[None]:
+        """The context planning and `load` run in (the distributed failure protocol)."""
+        return nullcontext()
+
+    @abstractmethod
+    def reload(self) -> None:
+        """(Re)place the held stage modules on their devices and rebuild what runs them (after
+        loading a state dict, which may give meta stages their tensors)."""
+
+    @abstractmethod
+    def held(self) -> dict[int, StageModule]:
+        """Stage index -> module for the stages this process holds (empty before `load`)."""
+
+    @property
+    @abstractmethod
+    def holds_first_stage(self) -> bool:
+        """Whether this process runs stage 0."""
+
+    @property
+    @abstractmethod
+    def holds_last_stage(self) -> bool:
+        """Whether this process runs the last stage."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Who this process is, for error messages."""
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where stage 0's inputs go."""
+        return self.devices[self._schedule.placement[0]]
+
+    @property
+    def target_device(self) -> torch.device:
+        """Where the last stage's targets go."""
+        return self.devices[self._schedule.placement[-1]]
+
+    def named_parameters(
+        self, model: nn.Module, prefix: str = "", recurse: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters this process trains, under the model's names."""
+        return model.named_parameters(prefix, recurse)
+
+    @property
+    def _schedule(self) -> Schedule:
+        if self.planned is None:
+            raise RuntimeError("the executor has no plan yet; call load first")
+        return self.planned.schedule
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def run_step(self, args: tuple[Any, ...] | None, targets: Any) -> StepResult:
+        """Forward + backward of one batch: split into the schedule's microbatches (each
+        microbatch's loss weighted by its share of the batch), placed and run."""
+        m = self._schedule.num_microbatches
+        first, last = self.holds_first_stage, self.holds_last_stage
+        if first and args is None:
+            raise ValueError(f"{self.describe()} holds stage 0: pass its inputs to step")
+        if last and targets is None:
+            raise ValueError(f"{self.describe()} holds the last stage: pass its targets to step")
+        n = batch_size(args, "inputs") if args is not None else None
+        if targets is not None:
+            n_targets = batch_size(targets, "targets")
+            if n is not None and n_targets != n:
+                raise ValueError(
+                    f"targets have batch size {n_targets} but inputs have {n}; give one target "
+                    "per input sample (dim 0 of both must match)"
+                )
+            n = n_targets
+        inputs = (
+            [tuple(to_device(a, self.input_device)) for a in split_microbatches(args, m, "inputs")]
+            if first and args is not None else None
+        )
+        ys = (
+            [to_device(t, self.target_device) for t in split_microbatches(targets, m, "targets")]
+            if last and targets is not None else None
+        )
+        weights = [k / n for k in microbatch_sizes(n, m)] if last and n is not None else []
+        return self._run_step(inputs, ys, weights)
+
+    def forward(self, args: tuple[Any, ...] | None) -> Any:
+        """Forward only, in at most the schedule's microbatch count; the merged output where
+        the last stage runs, else None."""
+        inputs = None
+        if self.holds_first_stage:
+            if args is None:
+                raise ValueError(f"{self.describe()} holds stage 0: pass its inputs to forward")
+            m = min(self._schedule.num_microbatches, batch_size(args, "inputs"))
+            inputs = [
+                tuple(to_device(a, self.input_device))
+                for a in split_microbatches(args, m, "inputs")
+            ]
+        outputs = self._run_forward(inputs)
+        return merge_microbatches(outputs) if self.holds_last_stage else None
+
+    @abstractmethod
+    def _run_step(
+        self,
+        inputs: Sequence[tuple[Tensor, ...]] | None,
+        targets: Sequence[Any] | None,
+        loss_weights: Sequence[float],
+    ) -> StepResult:
+        """Run the schedule over placed microbatches; grads accumulate on the parameters. On
+        failure, raise the first error (partial grads are the caller's to drop)."""
+
+    @abstractmethod
+    def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
+        """Forward only; the model output per microbatch where the last stage runs. Keeps an
+        autograd graph only when grad mode is enabled in the caller."""

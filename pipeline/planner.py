@@ -1,0 +1,181 @@
+"""Planning, apart from running: the schedule (built by name or adopted from a custom one and
+validated), then capture -> profile -> partition -> split -> stage costs from one example
+microbatch. `Planner.make` returns a `Planned` for an executor to place and run.
+
+In one process the planner decides alone. Under torch.distributed the executor's
+`Coordination` makes global rank 0 decide (microbatch count, example, plan, costs) and every
+other process follow (`agree`), so that all processes split the model the same way; a hook
+that checks the processes' settings agree at setup belongs in `Coordination.agree`'s caller
+here (`Planner.make`), before any work."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import torch
+
+from partitioner import Plan, StageModule, capture, partition, profile, split_model
+from pipeline.costs import StageCosts, stage_costs
+from pipeline.microbatch import batch_size, split_microbatches
+from scheduler import SCHEDULES, Schedule, build_schedule, validate
+
+log = logging.getLogger("hybridpipe")
+
+
+@dataclass(frozen=True)
+class Coordination:
+    """How the processes of a job make one plan. `leads`: this process decides (always in one
+    process; global rank 0 under torch.distributed). `agree(value)`: the leader's value on
+    every process. `device`: where profiling runs. `keeps_whole_model`: False when the
+    executor frees the stages other processes hold (then costs cannot be profiled later)."""
+
+    leads: bool
+    agree: Callable[[Any], Any]
+    device: torch.device
+    keeps_whole_model: bool
+
+
+@dataclass
+class Planned:
+    """The result of planning: the model, the schedule, the partition, the captured (and maybe
+    profiled) graph with the example it was captured on, every stage's module in stage order
+    (sharing the model's parameters), and the profiled per-stage costs (None until profiled)."""
+
+    model: torch.nn.Module
+    schedule: Schedule
+    plan: Plan
+    graph: nx.DiGraph
+    example: tuple[Any, ...]
+    modules: list[StageModule]
+    costs: StageCosts | None
+
+
+def _load_custom(spec: object) -> Schedule | None:
+    if isinstance(spec, Schedule):
+        return spec
+    if isinstance(spec, str) and spec in SCHEDULES:
+        return None
+    if isinstance(spec, (str, os.PathLike)):
+        path = Path(spec)
+        if path.is_file():
+            return Schedule.from_text(path.read_text(), name=path.stem)
+        raise ValueError(
+            f"schedule {str(spec)!r} is neither a known schedule nor a file; choose one of "
+            f"{sorted(SCHEDULES)}, pass a scheduler.Schedule, or a schedule text file's path"
+        )
+    raise TypeError(
+        f"schedule must be a name, a path or a scheduler.Schedule, got {type(spec).__name__}"
+    )
+
+
+class Planner:
+    """Makes the plan of a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks
+    (stages) per rank, `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the
+    first batch), `balance` as in `partitioner.partition`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ranks: int,
+        *,
+        schedule: str | os.PathLike[str] | Schedule,
+        microbatches: int | None,
+        virtual_stages: int | None,
+        balance: str | Sequence[int],
+        leaf_modules: tuple[type, ...] | None,
+    ) -> None:
+        self.model = model
+        self.ranks = ranks
+        self.microbatches = microbatches
+        self.virtual_stages = virtual_stages
+        self.balance = balance
+        self.leaf_modules = leaf_modules
+        self.schedule_spec = schedule
+        self.schedule: Schedule | None = None
+        custom = _load_custom(schedule)
+        if custom is not None:
+            self.schedule = self._adopt(custom)
+        elif microbatches is not None:
+            self.schedule = self._build(microbatches)
+
+    def _build(self, microbatches: int) -> Schedule:
+        return build_schedule(
+            str(self.schedule_spec), self.ranks, microbatches, self.virtual_stages
+        )
+
+    def _adopt(self, schedule: Schedule) -> Schedule:
+        """Check a custom schedule against the settings and validate it."""
+        if schedule.num_ranks != self.ranks:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but stages="
+                f"{self.ranks}; make them equal"
+            )
+        if self.microbatches not in (None, schedule.num_microbatches):
+            raise ValueError(
+                f"schedule {schedule.name!r} runs {schedule.num_microbatches} microbatches but "
+                f"microbatches={self.microbatches}; drop microbatches or make them equal"
+            )
+        if self.virtual_stages not in (None, schedule.virtual_stages):
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.virtual_stages} stages per rank but "
+                f"virtual_stages={self.virtual_stages}; drop virtual_stages or make them equal"
+            )
+        if schedule.num_stages % schedule.num_ranks:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages on "
+                f"{schedule.num_ranks} ranks; give every rank the same number of stages"
+            )
+        validate(schedule)
+        self.microbatches = schedule.num_microbatches
+        return schedule
+
+    def make(self, args: tuple[Any, ...] | None, how: Coordination) -> Planned:
+        """Plan from one batch of positional inputs `args` (needed on the leader only)."""
+        offer = None
+        if how.leads:
+            if args is None:
+                raise ValueError(
+                    "the process that makes the plan (global rank 0, which holds stage 0) "
+                    "needs a batch of inputs for the first step/forward (or example_input=...)"
+                )
+            size = batch_size(args, "inputs")
+            m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
+            offer = (m, tuple(split_microbatches(args, m, "inputs")[0]))
+        m, example = how.agree(offer)
+        if self.microbatches is None:
+            self.microbatches = m
+            log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
+        if self.schedule is None:
+            self.schedule = self._build(m)
+        schedule = self.schedule
+        graph = capture(self.model, example, leaf_modules=self.leaf_modules)
+        plan = costs = None
+        if how.leads:
+            if self.balance == "profile":
+                profile(graph, self.model, example, device=how.device)
+            plan = partition(graph, schedule.num_stages, self.balance)
+            # Costs are measured by the leader while it still holds the whole model.
+            costs = stage_costs(graph, plan) if self.balance == "profile" else None
+        plan, costs = how.agree((plan, costs))
+        return Planned(self.model, schedule, plan, graph, example, split_model(graph, plan), costs)
+
+    def costs(self, planned: Planned, how: Coordination) -> StageCosts:
+        """Per-stage profiled seconds (profiling now, on the planning example, if needed)."""
+        if planned.costs is not None:
+            return planned.costs
+        if not how.keeps_whole_model:
+            raise RuntimeError(
+                "under torch.distributed the stage costs are measured on global rank 0 before "
+                "the model is split; build the Pipeline with balance='profile' to simulate it"
+            )
+        graph = planned.graph
+        if not all("forward_time" in graph.nodes[v] for v in graph.graph["order"]):
+            profile(graph, self.model, planned.example, device=how.device)
+        planned.costs = stage_costs(graph, planned.plan)
+        return planned.costs
