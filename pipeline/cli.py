@@ -56,7 +56,8 @@ def _costs(text: str) -> float | list[float]:
         values = [float(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a number or comma-separated numbers (one per stage), got {text!r}"
+            "expected a number or comma-separated numbers (one per rank or one per stage), "
+            f"got {text!r}"
         ) from None
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"costs must be >= 0, got {text!r}")

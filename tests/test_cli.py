@@ -4,12 +4,15 @@ agree with the library, it writes the promised files, and bad arguments name the
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 import pytest
 
 from pipeline.cli import main
 from scheduler import SCHEDULES, build_schedule, simulate
+from viz import to_chrome_trace
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -30,14 +33,25 @@ def fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 def test_simulate_prints_the_simulators_figures(capsys: pytest.CaptureFixture[str]) -> None:
     out = run(capsys, "simulate", "--schedule", "gpipe", "--ranks", "3", "--microbatches", "5")
-    expected = simulate(build_schedule("gpipe", 3, 5), 1.0, 1.0, 1.0)
-    (row,) = [line for line in out.splitlines() if line.startswith("gpipe ")]
-    cells = row.split()
-    assert cells[:3] == ["gpipe", "1", "3"]
-    assert float(cells[3]) == pytest.approx(expected.step_time, rel=1e-3)
-    assert cells[4] == f"{expected.bubble_fraction:.1%}"
-    assert cells[6:] == [str(n) for n in expected.peak_inflight]
-    assert "--out DIR" in out  # says how to get the pictures
+    # GPipe, p=3, m=5, F=B=W=1 (unsplit B costs B+W=2): step 3(m+p-1) = 21, bubble
+    # (p-1)/(m+p-1) = 2/7 = 28.6%, every rank holds all m=5 activations.
+    assert out.splitlines() == [
+        "3 ranks, 5 microbatches; costs per rank: forward 1.0, backward 1.0, weight 1.0, comm 0.0",
+        "schedule            v  stages  step time   bubble  peak mem  peak in-flight per rank",
+        "-" * 84,
+        "gpipe               1       3         21    28.6%         5  5 5 5",
+        "peak mem: most activations one rank holds, in microbatches of its model share",
+        "peak in-flight: most (stage, microbatch) activations each rank holds",
+        "(add --out DIR to write timelines, memory plots and Chrome traces)",
+    ]
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; fails unless the file is a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
 
 
 def test_simulate_compare_writes_pictures_traces_and_summary(
@@ -53,23 +67,50 @@ def test_simulate_compare_writes_pictures_traces_and_summary(
         "--comm", "0.25",
         "--out", str(tmp_path),
     )  # fmt: skip
-    assert "fastest: zb-h1" in out
     names = ["1f1b", "zb-h1"]
+    timelines = {
+        name: simulate(build_schedule(name, 2, 4), 1.0, 1.0, 1.0, 0.25, activation=1.0)
+        for name in names
+    }
+    fast, slow = timelines["zb-h1"].step_time, timelines["1f1b"].step_time
+    assert fast < slow
+    lines = out.splitlines()
+    assert f"fastest: zb-h1, {slow / fast:.2f}x faster than the slowest (1f1b)" in lines
+    assert (
+        lines[-1] == f"wrote 10 files to {tmp_path}/ (open trace_*.json in https://ui.perfetto.dev)"
+    )
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
+        [f"{stem}_{n}.png" for stem in ("timeline", "memory") for n in names]
+        + [f"trace_{n}.json" for n in names]
+        + [f"schedule_{n}.txt" for n in names]
+        + ["comparison.png", "summary.json"]
+    )
     for name in names:
-        for stem, suffix in (("timeline", ".png"), ("memory", ".png"), ("trace", ".json")):
-            assert (tmp_path / f"{stem}_{name}{suffix}").stat().st_size > 0
+        for stem in ("timeline", "memory"):
+            width, height = _png_size(tmp_path / f"{stem}_{name}.png")
+            assert width >= 300 and height >= 150, (stem, name, width, height)
         schedule = build_schedule(name, 2, 4)
-        assert (tmp_path / f"schedule_{name}.txt").read_text().strip() == schedule.to_text()
+        assert (tmp_path / f"schedule_{name}.txt").read_text() == schedule.to_text() + "\n"
         trace = json.loads((tmp_path / f"trace_{name}.json").read_text())
-        complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-        assert len(complete) == sum(len(acts) for acts in schedule.actions)
-    assert (tmp_path / "comparison.png").read_bytes().startswith(b"\x89PNG")
+        assert trace == json.loads(json.dumps(to_chrome_trace(timelines[name])))
+    assert min(_png_size(tmp_path / "comparison.png")) >= 150
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [s["name"] for s in summary["schedules"]] == names
-    for entry in summary["schedules"]:
-        expected = simulate(build_schedule(entry["name"], 2, 4), 1.0, 1.0, 1.0, 0.25)
-        assert entry["step_time"] == pytest.approx(expected.step_time)
-        assert entry["bubble_fraction"] == pytest.approx(expected.bubble_fraction)
+    assert summary == {
+        "ranks": 2,
+        "microbatches": 4,
+        "costs": {"forward": 1.0, "backward": 1.0, "weight": 1.0, "comm": 0.25},
+        "schedules": [
+            {
+                "name": name,
+                "virtual_stages": 1,
+                "step_time": timelines[name].step_time,
+                "bubble_fraction": timelines[name].bubble_fraction,
+                "peak_inflight": list(timelines[name].peak_inflight),
+                "peak_memory": list(timelines[name].peak_memory),
+            }
+            for name in names
+        ],
+    }
 
 
 def test_virtual_stages_share_a_ranks_cost(
@@ -89,29 +130,61 @@ def test_virtual_stages_share_a_ranks_cost(
         "--out", str(tmp_path),
     )  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert {s["name"] for s in summary["schedules"]} == set(SCHEDULES)
-    assert {s["virtual_stages"] for s in summary["schedules"]} == {1, 2}
+    assert [s["name"] for s in summary["schedules"]] == sorted(SCHEDULES)
+    chunks = {"interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2}
+    assert {s["name"]: s["virtual_stages"] for s in summary["schedules"]} == {
+        name: chunks.get(name, 1) for name in SCHEDULES
+    }
     work = 4 * ((1 + 2 + 0.5) + (3 + 2 + 0.5))
     for s in summary["schedules"]:
         assert s["step_time"] * (1 - s["bubble_fraction"]) * 2 == pytest.approx(work)
 
 
+def error_line(err: str, command: str = "simulate") -> str:
+    """The message argparse prints after the usage, without its prefix."""
+    assert f"\nusage: hybridpipe {command} [-h]" in "\n" + err, err
+    prefix = f"hybridpipe {command}: error: "
+    (line,) = [ln for ln in err.splitlines() if ln.startswith(prefix)]
+    return line[len(prefix) :]
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The error message of a refused command line."""
+    return error_line(fails(capsys, *argv), argv[0])
+
+
 def test_simulate_rejects_bad_arguments_naming_the_choices(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    err = fails(capsys, "simulate", "--schedule", "pipedream")
-    assert "'pipedream'" in err and all(name in err for name in SCHEDULES)
-    err = fails(capsys, "simulate", "--compare", "gpipe,zb-h9")
-    assert "zb-h9" in err and "zbv" in err and "'all'" in err
-    err = fails(capsys, "simulate", "--ranks", "0")
-    assert "--ranks" in err and ">= 1" in err
-    err = fails(capsys, "simulate", "--forward", "fast")
-    assert "--forward" in err and "'fast'" in err
-    err = fails(capsys, "simulate", "--ranks", "2", "--forward", "1,2,3")
-    assert "--forward has 3 values" in err and "one per rank (2)" in err
+    names = sorted(SCHEDULES)
+    err = refused(capsys, "simulate", "--schedule", "pipedream")
+    assert err.startswith("argument --schedule: invalid choice: 'pipedream' (choose from ")
+    assert all(name in err for name in names)
+    assert refused(capsys, "simulate", "--compare", "gpipe,zb-h9") == (
+        f"argument --compare: unknown schedule(s) ['zb-h9']; choose from {', '.join(names)} "
+        "(comma-separated) or 'all'"
+    )
+    assert refused(capsys, "simulate", "--ranks", "0") == (
+        "argument --ranks: expected a whole number >= 1, got 0"
+    )
+    assert refused(capsys, "simulate", "--microbatches", "two") == (
+        "argument --microbatches: expected a whole number >= 1, got 'two'"
+    )
+    assert refused(capsys, "simulate", "--forward", "fast") == (
+        "argument --forward: expected a number or comma-separated numbers (one per rank or "
+        "one per stage), got 'fast'"
+    )
+    assert refused(capsys, "simulate", "--weight", "1,-2") == (
+        "argument --weight: costs must be >= 0, got '1,-2'"
+    )
+    assert refused(capsys, "simulate", "--ranks", "2", "--forward", "1,2,3") == (
+        "--forward has 3 values; 1f1b needs one number, one per rank (2) or one per stage (2)"
+    )
     # A library refusal is reported the same way, with its own advice.
-    err = fails(capsys, "simulate", "--schedule", "gpipe", "--virtual-stages", "2")
-    assert "virtual_stages=2" in err and "interleaved-1f1b" in err
+    assert refused(capsys, "simulate", "--schedule", "gpipe", "--virtual-stages", "2") == (
+        "gpipe runs one stage per rank; got virtual_stages=2. Use virtual_stages=1, or "
+        "'interleaved-1f1b' (v >= 2) / 'zbv' (always 2) for more"
+    )
 
 
 def test_compare_falls_back_for_single_chunk_schedules(
@@ -120,10 +193,19 @@ def test_compare_falls_back_for_single_chunk_schedules(
     argv = ["simulate", "--compare", "gpipe,interleaved-1f1b", "--virtual-stages", "4"]
     assert main([*argv, "--ranks", "2", "--microbatches", "4"]) == 0
     captured = capsys.readouterr()
-    assert "gpipe cannot run 4 virtual stages per rank; simulated with 1" in captured.err
+    # --schedule defaults to 1f1b, which also runs alongside the comparison.
+    assert captured.err.splitlines() == [
+        f"note: {name} cannot run 4 virtual stages per rank; simulated with 1"
+        for name in ("1f1b", "gpipe")
+    ]
     rows = {line.split()[0]: line.split() for line in captured.out.splitlines() if line}
     assert rows["interleaved-1f1b"][1:3] == ["4", "8"]
-    assert rows["gpipe"][1:3] == ["1", "2"]
+    assert rows["gpipe"][1:3] == rows["1f1b"][1:3] == ["1", "2"]
+    # Same figures as the library gives each schedule at its own chunk count.
+    for name, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 4)):
+        expected = simulate(build_schedule(name, 2, 4, v), 1.0 / v, 1.0 / v, 1.0 / v)
+        assert float(rows[name][3]) == pytest.approx(expected.step_time, rel=1e-3)
+        assert rows[name][4] == f"{expected.bubble_fraction:.1%}"
 
 
 @pytest.mark.parametrize("command", ["simulate", "profile"])
@@ -132,12 +214,16 @@ def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str
         main([command, "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert f"usage: hybridpipe {command}" in out and "examples:" in out
+    assert out.startswith(f"usage: hybridpipe {command} [-h]")
+    assert "\nexamples:\n  hybridpipe " + command in out
 
 
 def test_missing_command_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     err = fails(capsys)
-    assert "simulate" in err and "profile" in err
+    assert err.startswith("usage: hybridpipe [-h] {simulate,profile,demo}")
+    assert err.splitlines()[-1] == (
+        "hybridpipe: error: the following arguments are required: {simulate,profile,demo}"
+    )
 
 
 # ------------------------------------------------------------------------------------ profile
@@ -149,36 +235,90 @@ def test_profile_builtin_model_writes_plan_and_plot(
     out = run(
         capsys, "profile", "mlp", "--stages", "3", "--balance", "parameters", "--out", str(tmp_path)
     )
-    assert "Plan (parameters): 3 stages" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["method"] == "parameters" and len(plan["stages"]) == 3
-    # mlp_stack(): 8 residual blocks of 4 nodes each (ln, fc1, gelu, fc2 and the add) + read-out.
-    assert sum(len(stage) for stage in plan["stages"]) > 8
-    assert (tmp_path / "partition.png").read_bytes().startswith(b"\x89PNG")
+    # mlp_stack(): 8 residual blocks of 5 nodes (ln, fc1, gelu, fc2, add) + the read-out _8.
+    suffix = [""] + [f"_{b}" for b in range(1, 8)]  # fx numbers repeated function nodes
+    blocks = [
+        [f"_{b}_ln", f"_{b}_fc1", f"gelu{suffix[b]}", f"_{b}_fc2", f"add{suffix[b]}"]
+        for b in range(8)
+    ]
+    nodes = [n for block in blocks for n in block] + ["_8"]
+    # float32 parameter bytes: ln 2*256, fc1 256*1024+1024, fc2 1024*256+256, read-out 256*257.
+    ln, fc1, fc2, head = 4 * 512, 4 * 263168, 4 * 262400, 4 * 65792
+    block = ln + fc1 + fc2
+    # The min-max split cuts inside blocks 2 and 5, right after their fc1.
+    assert plan["stages"] == [nodes[:12], nodes[12:27], nodes[27:]]
+    assert plan["stage_params"] == [
+        2 * block + ln + fc1,
+        fc2 + 2 * block + ln + fc1,
+        fc2 + 2 * block + head,
+    ]
+    assert plan["method"] == "parameters"
+    # Each cut carries fc1's 8x1024 output and the block's 8x256 residual input, float32.
+    assert plan["cut_bytes"] == [4 * 8 * (1024 + 256)] * 2
+    lines = out.splitlines()
+    assert lines[0] == "Plan (parameters): 3 stages"
+    assert [line.split()[:4] for line in lines[2:5]] == [
+        ["0", "_0_ln", "_2_fc1", "12"],
+        ["1", "gelu_2", "_5_fc1", "15"],
+        ["2", "gelu_5", "_8", "14"],
+    ]
+    assert lines[-1] == f"wrote {tmp_path / 'partition.png'} and {tmp_path / 'plan.json'}"
+    assert min(_png_size(tmp_path / "partition.png")) >= 150
 
 
 def test_profile_times_a_factory_model(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["profile", "pipeline.models:SkipNet", "--input-shape", "4,32", "--stages", "2"]
     assert main([*argv, "--repeats", "1"]) == 0
     captured = capsys.readouterr()
-    assert "Plan (profile): 2 stages" in captured.out
-    assert "profiling on cpu" in captured.err and "captured" in captured.err  # progress
+    lines = captured.out.splitlines()
+    assert lines[0] == "Plan (profile): 2 stages"
+    assert lines[-1] == "(add --out DIR to write partition.png and plan.json)"
+    progress = captured.err.splitlines()
+    assert progress[0] == "capturing pipeline.models:SkipNet on input 4x32 ..."
+    assert re.fullmatch(r"captured 34 nodes in \d+\.\d s", progress[1]), progress[1]
+    assert progress[2] == "profiling on cpu (1 timed runs per node) ..."
+    assert re.fullmatch(r"profiled in \d+\.\d s", progress[-1]), progress[-1]
+    # Two stage rows that share out all 34 nodes.
+    rows = [line.split() for line in lines[2:4]]
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert sum(int(row[3]) for row in rows) == 34
 
 
 def test_profile_rejects_bad_models_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    err = fails(capsys, "profile", "bert")
-    assert "'bert'" in err and "gpt, mlp, skip, skewed" in err and "torchvision:NAME" in err
-    err = fails(capsys, "profile", "torchvision:resnet5")
-    assert "no model 'resnet5'" in err and "resnet50" in err
-    err = fails(capsys, "profile", "no_such_pkg.models:build", "--input-shape", "2,3")
-    assert "cannot import 'no_such_pkg.models'" in err
-    err = fails(capsys, "profile", "pipeline.models:GPT")
-    assert "--input-shape is required" in err
-    err = fails(capsys, "profile", "gpt", "--balance", "fast")
-    assert "'fast'" in err and "profile, parameters, uniform" in err
-    err = fails(capsys, "profile", "gpt", "--input-dtype", "float32")
-    assert "integer token ids" in err
-    err = fails(capsys, "profile", "mlp", "--stages", "2", "--balance", "1,1")
-    assert "balance [1, 1] sums to 2" in err  # the partitioner's own message
-    err = fails(capsys, "profile", "gpt", "--input-shape", "8,x")
-    assert "'8,x'" in err
+    assert refused(capsys, "profile", "bert") == (
+        "unknown MODEL 'bert': give one of gpt, mlp, skip, skewed, torchvision:NAME or "
+        "package.module:factory"
+    )
+    err = refused(capsys, "profile", "torchvision:resnet5")
+    assert err.startswith("torchvision has no model 'resnet5'; did you mean resnet50, ")
+    assert refused(capsys, "profile", "no_such_pkg.models:build", "--input-shape", "2,3") == (
+        "cannot import 'no_such_pkg.models' for MODEL 'no_such_pkg.models:build' (No module "
+        "named 'no_such_pkg'); check the module path and that it is importable from here "
+        "(PYTHONPATH)"
+    )
+    bad_factory = "pipeline.models:no_such_factory"
+    assert refused(capsys, "profile", bad_factory, "--input-shape", "2,3") == (
+        "pipeline.models has no callable 'no_such_factory' for MODEL "
+        "'pipeline.models:no_such_factory'"
+    )
+    assert refused(capsys, "profile", "pipeline.models:GPT") == (
+        "--input-shape is required for MODEL 'pipeline.models:GPT' (e.g. --input-shape 8,3,224,224)"
+    )
+    assert refused(capsys, "profile", "gpt", "--balance", "fast") == (
+        "argument --balance: invalid balance 'fast': choose from profile, parameters, uniform, "
+        "or give comma-separated node counts per stage (e.g. 3,4,4,3)"
+    )
+    assert refused(capsys, "profile", "gpt", "--input-dtype", "float32") == (
+        "MODEL 'gpt' takes integer token ids, not float32; drop --input-dtype or use int64"
+    )
+    # The partitioner's own message: the mlp graph has 41 nodes (see the test above).
+    assert refused(capsys, "profile", "mlp", "--stages", "2", "--balance", "1,1") == (
+        "balance [1, 1] sums to 2 but the graph has 41 nodes; the counts must sum to 41"
+    )
+    assert refused(capsys, "profile", "gpt", "--input-shape", "8,x") == (
+        "argument --input-shape: expected comma-separated sizes such as 8,3,224,224, got '8,x'"
+    )
+    assert refused(capsys, "profile", "gpt", "--input-shape", "8,0") == (
+        "argument --input-shape: sizes must be >= 1, got '8,0'"
+    )
