@@ -6,10 +6,12 @@ and distributed difference lives in the executor."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import networkx as nx
 import torch
@@ -27,6 +29,29 @@ from pipeline.planner import Planned, Planner
 from pipeline.runtime import LossFn
 from pipeline.timeouts import resolve_timeout
 from scheduler import Schedule, Timeline, build_schedule
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _one_at_a_time(method: _F) -> _F:
+    """A Pipeline runs one step or forward at a time: a second call from another thread while
+    one runs is a RuntimeError naming both (it would share the workers and the .grad)."""
+
+    @functools.wraps(method)
+    def guarded(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+        me = f"Pipeline.{method.__name__} in thread {threading.current_thread().name!r}"
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{me} was called while {self._busy_with} is running; a Pipeline runs one "
+                "call at a time: call it from one thread, or give each thread its own Pipeline"
+            )
+        self._busy_with = me
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return guarded  # type: ignore[return-value]
 
 
 def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
@@ -119,6 +144,7 @@ class Pipeline:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = model
+        self._busy, self._busy_with = threading.Lock(), ""  # see _one_at_a_time
         self.stages = _check_int(stages, "stages", 1, "give the number of pipeline ranks")
         if microbatches is not None:
             _check_int(microbatches, "microbatches", 1, "split each batch into at least 1")
@@ -203,6 +229,7 @@ class Pipeline:
 
     # -- running ----------------------------------------------------------------------------------
 
+    @_one_at_a_time
     def step(self, x: Batch | None, y: Batch | None) -> Tensor:
         """Forward and backward over all microbatches of batch `x` with targets `y`.
 
@@ -235,6 +262,7 @@ class Pipeline:
             raise RuntimeError("the executor returned no loss from the last stage")
         return result.loss
 
+    @_one_at_a_time
     def forward(self, x: Batch | None) -> Any:
         """Forward only, microbatched like `step` (fewer microbatches if the batch is smaller);
         equals ``model(x)`` (None on processes that do not hold the last stage). Under

@@ -24,7 +24,7 @@ from pipeline.microbatch import (
     to_device,
 )
 from pipeline.planner import Coordination, Planned
-from pipeline.runtime import LossFn, StepResult
+from pipeline.runtime import LossFn, StepResult, apply_input_grads
 from scheduler import Schedule
 
 if TYPE_CHECKING:
@@ -135,7 +135,9 @@ class Executor(ABC):
             if last and targets is not None else None
         )
         weights = [k / n for k in microbatch_sizes(n, m)] if last and n is not None else []
-        return self._run_step(inputs, ys, weights)
+        result = self._run_step(inputs, ys, weights)
+        apply_input_grads(inputs, result.input_grads)
+        return result
 
     def forward(self, args: tuple[Any, ...] | None) -> Any:
         """Forward only, in at most the schedule's microbatch count; the merged output where

@@ -1,8 +1,10 @@
 """The local executor: one worker thread per pipeline rank in this process, each running its
 rank's `RankRuntime` on its device, with tensors crossing ranks through in-memory mailboxes
 (plus CUDA copy streams and events between devices). The first worker error is re-raised in the
-caller with its original traceback; the other workers are cancelled and joined (a hook that
-cancels workers stuck in compute belongs in `LocalExecutor._run`)."""
+caller with its original traceback; the other workers are cancelled (`CancelToken`: they stop
+at their next action boundary and write no gradient after the caller returns) and joined
+briefly. A worker stuck in compute cannot be interrupted: the caller raises without it, and
+the next step runs on fresh worker state."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from partitioner import StageModule
 from pipeline import streams
 from pipeline.executor import Executor
 from pipeline.planner import Coordination
-from pipeline.runtime import PipelineAborted, RankResult, RankRuntime, StepResult
+from pipeline.runtime import CancelToken, PipelineAborted, RankResult, RankRuntime, StepResult
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
 _POLL = 0.02  # seconds between abort checks while a worker waits for a tensor
+_GRACE = 0.4  # seconds a failed step waits for its cancelled workers to stop
 
 
 @dataclass
@@ -46,7 +49,7 @@ class _Mailbox:
             self.items[key] = message
             self.cond.notify_all()
 
-    def take(self, recv: Recv, timeout: float, abort: threading.Event, rank: int) -> _Message:
+    def take(self, recv: Recv, timeout: float, abort: CancelToken, rank: int) -> _Message:
         key = recv.key
         with self.cond:
             message = self.items.pop(key, None)
@@ -87,7 +90,7 @@ class LocalTransport:
         devices: Sequence[torch.device],
         mailboxes: Sequence[_Mailbox],
         copy_streams: Sequence[streams.AnyStream],
-        abort: threading.Event,
+        abort: CancelToken,
         timeout: float,
     ) -> None:
         self.rank = rank
@@ -169,8 +172,8 @@ def resolve_devices(devices: Sequence[str | torch.device] | None, ranks: int) ->
 
 class LocalExecutor(Executor):
     """Runs a Schedule with one thread per pipeline rank; stage s runs on
-    `devices[schedule.placement[s]]`. `timeout` bounds every wait for a tensor and the whole
-    step's join."""
+    `devices[schedule.placement[s]]`. `timeout` bounds every wait for a tensor and every single
+    action (a step in which no rank starts an action for `timeout` s fails as stuck)."""
 
     def __init__(self, devices: Sequence[torch.device], *, timeout: float = 120.0) -> None:
         super().__init__()
@@ -179,7 +182,7 @@ class LocalExecutor(Executor):
         self.coordination = Coordination(
             leads=True, agree=lambda value: value, device=self.devices[0], keeps_whole_model=True
         )
-        self.abort = threading.Event()
+        self.abort = CancelToken()
         self.mailboxes = [_Mailbox() for _ in self.devices]
         self.compute_streams = [streams.new_stream(d) for d in self.devices]
         self.copy_streams = [streams.new_stream(d) for d in self.devices]
@@ -211,6 +214,18 @@ class LocalExecutor(Executor):
             )
         for s, module in enumerate(planned.modules):
             module.to(self.devices[schedule.placement[s]])
+        self._build_runtimes()
+
+    def _build_runtimes(self) -> None:
+        """Runtimes, mailboxes and cancel token for the next step: after a cancelled step
+        they are new, since its stuck workers may still hold the old ones."""
+        planned = self.planned
+        if planned is None:
+            return
+        schedule = planned.schedule
+        if self.abort.is_set():
+            self.abort = CancelToken()
+            self.mailboxes = [_Mailbox() for _ in self.devices]
         self.runtimes = [
             RankRuntime(
                 rank,
@@ -242,7 +257,8 @@ class LocalExecutor(Executor):
         trace = Timeline(
             tuple(events), schedule.num_ranks, schedule.splits_backward, name=schedule.name
         )
-        return StepResult(total, trace)
+        input_grads = {m: g for r in results for m, g in r.input_grads.items()}
+        return StepResult(total, trace, input_grads)
 
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         grad = torch.is_grad_enabled()
@@ -253,8 +269,12 @@ class LocalExecutor(Executor):
 
     def _run(self, job: Callable[[RankRuntime], RankResult]) -> list[RankResult]:
         """Run `job` on every rank's runtime in its own thread; return per-rank results or
-        re-raise the first (earliest) worker error with its traceback."""
-        self.abort.clear()
+        re-raise the first (earliest) worker error with its traceback. Returns as soon as a
+        worker fails, no worker started an action for `timeout` s, or the caller is
+        interrupted: the workers are cancelled first."""
+        if self.abort.is_set():
+            self._build_runtimes()
+        cancel = self.abort
         for box in self.mailboxes:
             box.items.clear()
         # Worker streams start after what the caller queued (input copies, optimizer step).
@@ -264,6 +284,8 @@ class LocalExecutor(Executor):
         results: list[RankResult | None] = [None] * n
         errors: list[tuple[float, int, BaseException]] = []
         lock = threading.Lock()
+        left = [n]
+        wake = threading.Event()
 
         def worker(rank: int) -> None:
             runtime = self.runtimes[rank]
@@ -276,39 +298,60 @@ class LocalExecutor(Executor):
             except BaseException as err:  # noqa: B036 - every failure must reach the caller
                 with lock:
                     errors.append((time.monotonic(), rank, err))
-                self.abort.set()
+                wake.set()
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        wake.set()
 
         threads = [
             threading.Thread(target=worker, args=(r,), name=f"hybridpipe-rank{r}", daemon=True)
             for r in range(n)
         ]
+        cancel.beat = time.monotonic()
         for t in threads:
             t.start()
-        deadline = time.monotonic() + self.timeout + 5.0
         try:
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
+            # A waiting peer times out after `timeout`; this catches stages stuck with none
+            # waiting on them, a little later so that the peer's own error comes first.
+            while not wake.wait(_POLL):
+                if time.monotonic() - cancel.beat > self.timeout + _GRACE:
+                    break
         except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the workers too
-            self.abort.set()
-            for t in threads:
-                t.join(5.0)
+            self._cancel(cancel, threads)
             raise
-        stuck = [t.name for t in threads if t.is_alive()]
-        if stuck:
-            self.abort.set()
-            for t in threads:
-                t.join(5.0)
-            raise TimeoutError(
-                f"pipeline workers {stuck} did not finish within timeout={self.timeout} s; "
-                "a stage may be stuck in compute. Raise Pipeline(timeout=...) if the step is "
-                "legitimately this slow"
-            )
-        if errors:
-            errors.sort(key=lambda e: (isinstance(e[2], PipelineAborted), e[0]))
-            _, rank, err = errors[0]
-            err.add_note(f"raised by pipeline rank {rank} on {self.devices[rank]}")
+        if errors or left[0]:
+            own = [e for e in errors if not isinstance(e[2], PipelineAborted)]
+            stuck = self._cancel(cancel, threads)
+            if own:
+                _, rank, err = min(own, key=lambda e: e[0])
+                err.add_note(f"raised by pipeline rank {rank} on {self.devices[rank]}")
+            else:
+                err = TimeoutError(
+                    f"no pipeline rank started an action for timeout={self.timeout:g} s; "
+                    "a stage may be stuck in compute. Raise Pipeline(timeout=...) if a single "
+                    "action legitimately takes this long"
+                )
+            if stuck:
+                err.add_note(
+                    "still running when the step was cancelled (they stop at their next action "
+                    "boundary and write no gradients): " + ", ".join(stuck)
+                )
             raise err
         # The caller's stream sees everything the workers queued (grads, loss, outputs).
         for rank, device in enumerate(self.devices):
             streams.wait_stream(streams.current_stream(device), self.compute_streams[rank])
         return [r for r in results if r is not None]
+
+    def _cancel(self, cancel: CancelToken, threads: Sequence[threading.Thread]) -> list[str]:
+        """Cancel the step and give its workers `_GRACE` s to stop; those still running."""
+        cancel.set()
+        deadline = time.monotonic() + _GRACE
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [
+            f"pipeline rank {rank} in {runtime.running or 'its step'}"
+            for rank, (t, runtime) in enumerate(zip(threads, self.runtimes, strict=True))
+            if t.is_alive()
+        ]

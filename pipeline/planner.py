@@ -64,7 +64,15 @@ def _load_custom(spec: object) -> Schedule | None:
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec)
         if path.is_file():
-            return Schedule.from_text(path.read_text(), name=path.stem)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"schedule file {str(spec)!r} is not text (byte {err.start} is "
+                    f"{err.object[err.start:err.start + 1]!r}, not UTF-8); give a text file "
+                    "with one line of actions per rank, e.g. written by Schedule.to_text()"
+                ) from None
+            return Schedule.from_text(text, name=path.stem)
         raise ValueError(
             f"schedule {str(spec)!r} is neither a known schedule nor a file; choose one of "
             f"{sorted(SCHEDULES)}, pass a scheduler.Schedule, or a schedule text file's path"

@@ -26,13 +26,20 @@ the activation-grad path is walked once. Stage outputs that do not depend on the
 (and stage 0, whose inputs need no grad) get their weight grads from a plain pass in W.
 Under activation checkpointing W is one backward from the outputs restricted to the weights,
 since each backward call recomputes the checkpointed forward.
+
+Gradients are computed with `torch.autograd.grad` and added to `.grad` by `_accumulate`
+under the step's `CancelToken`, never by autograd itself: once a step is cancelled (a failure,
+a timeout, Ctrl-C) a worker still inside a backward cannot write into `.grad`. Stage 0's input
+grads (an input with requires_grad) are returned in `RankResult.input_grads`, and the
+executor applies them (`apply_input_grads`) once the whole step succeeded.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
@@ -68,6 +75,36 @@ class PipelineAborted(RuntimeError):
     """Raised inside a worker when another worker failed and the step is being cancelled."""
 
 
+class CancelToken:
+    """Cancels one executor's workers for good (the executor makes a new token, with new
+    workers' state, for the next step). Workers check it at every action boundary and while
+    waiting; every gradient write happens inside `writing()`, under the token's lock, so once
+    `set()` has returned no worker touches `.grad` again, even one that was still computing.
+    `beat` is the time any worker last started an action (for stuck-stage detection).
+    Duck-compatible with `threading.Event` (`set`, `is_set`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self.beat = time.monotonic()
+
+    def set(self) -> None:
+        """Cancel; waits for a gradient write in progress to finish."""
+        with self._lock:
+            self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    @contextmanager
+    def writing(self, where: str) -> Iterator[None]:
+        """Hold the lock for one gradient write; PipelineAborted if cancelled."""
+        with self._lock:
+            if self._set:
+                raise PipelineAborted(f"{where} skipped: the step was cancelled")
+            yield
+
+
 class Transport(Protocol):
     """Moves tensors between pipeline ranks. One instance per rank (it knows its own rank).
 
@@ -93,25 +130,72 @@ class RankResult:
     `losses[m]`: the weighted loss of microbatch m (detached; only on the last stage's rank).
     `outputs[m]`: the model output of microbatch m (only on the last stage's rank; only from
     `run_forward`). `events`: the executed actions with measured perf_counter times.
+    `input_grads[m]`: the gradients of stage 0's inputs that require grad, in positional
+    order (only on stage 0's rank, only when some input requires grad).
     """
 
     events: list[Event] = field(default_factory=list)
     losses: dict[int, Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
+    input_grads: dict[int, tuple[Tensor | None, ...]] = field(default_factory=dict)
 
 
 @dataclass
 class StepResult:
     """What an executor's training step returns: the whole-batch loss (sum of the weighted
     microbatch losses, detached, 0-dim; None on processes that do not hold the last stage)
-    and the measured Timeline of the step."""
+    and the measured Timeline of the step. `input_grads`: stage 0's input grads (see
+    `RankResult`), applied by `Executor.run_step` once the step succeeded."""
 
     loss: Tensor | None
     trace: Timeline
+    input_grads: dict[int, tuple[Tensor | None, ...]] = field(default_factory=dict)
 
 
 def _is_float(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def apply_input_grads(
+    inputs: Sequence[tuple[Tensor, ...]] | None,
+    input_grads: Mapping[int, tuple[Tensor | None, ...]],
+) -> None:
+    """Backpropagate stage 0's input grads (`RankResult.input_grads`) into the caller's
+    inputs, as ``loss.backward()`` on the unsplit model would. Executors call it in the
+    caller's thread once the whole step succeeded, so a failed step leaves them untouched."""
+    if inputs is None:  # not stage 0's rank: it has no input grads either
+        return
+    roots: list[Tensor] = []
+    grads: list[Tensor] = []
+    for m, got in input_grads.items():
+        wanted = [t for t in inputs[m] if _is_float(t) and t.requires_grad]
+        for t, g in zip(wanted, got, strict=True):
+            if g is not None:
+                roots.append(t)
+                grads.append(g)
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
+def accumulate_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """``p.grad += g`` as autograd's AccumulateGrad does (a fresh copy when `.grad` is None,
+    since `g` may be shared with other gradients or expanded); None grads are skipped."""
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    adds = [(p.grad, g) for p, g in pairs if p.grad is not None]
+    for p, g in pairs:
+        if p.grad is None:
+            p.grad = g.detach().clone(memory_format=torch.preserve_format)
+    if adds:
+        torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +257,8 @@ class RankRuntime:
     that microbatch's weight (its share of the batch for mean-reduced losses), so summed grads
     equal the whole batch's. `on_stage_done(stage)` is called right after the last backward
     action (B, or W when backward is split) of each stage in a step and the sends following
-    it, e.g. to start that stage's gradient all-reduce. `abort`, when set by anyone, stops this
-    rank before its next action.
+    it, e.g. to start that stage's gradient all-reduce. `abort` (a `CancelToken`), once set by
+    anyone, stops this rank before its next action and before any gradient write.
 
     The runtime keeps per-step state (stashed activations, pending weight grads, undelivered
     messages) and checks it is empty at the end of each step.
@@ -191,7 +275,7 @@ class RankRuntime:
         loss_fn: LossFn | None = None,
         checkpoint_activations: bool = False,
         on_stage_done: Callable[[int], None] | None = None,
-        abort: threading.Event | None = None,
+        abort: CancelToken | None = None,
     ) -> None:
         expected = set(schedule.stages_of(rank))
         if set(stages) != expected:
@@ -220,6 +304,7 @@ class RankRuntime:
         self._targets: Sequence[Any] = ()
         self._weights: Sequence[float] = ()
         self._result = RankResult()
+        self.running: Action | None = None  # the action in progress (names a stuck rank)
 
     def forward_program(self, microbatches: int) -> Program:
         """The lowered forward-only program for `microbatches` microbatches (cached)."""
@@ -299,19 +384,23 @@ class RankRuntime:
                     mail[ins.key] = transport.recv(ins)
                 else:
                     action = ins.action
-                    if abort is not None and abort.is_set():
-                        raise PipelineAborted(
-                            f"rank {self.rank} cancelled before {action}: another rank failed"
-                        )
+                    if abort is not None:
+                        if abort.is_set():
+                            raise PipelineAborted(
+                                f"rank {self.rank} cancelled before {action}: the step failed"
+                            )
+                        abort.beat = time.monotonic()
                     handler = _HANDLERS.get(action.op)
                     if handler is None:
                         raise ValueError(f"unknown action kind {action.op!r} in {action}")
                     start = time.perf_counter()
+                    self.running = action
                     if profiling:
                         with record_function(step.label):
                             handler(self, action, step, train)
                     else:
                         handler(self, action, step, train)
+                    self.running = None
                     events.append(Event(self.rank, action.stage, action.op, action.microbatch,
                                         start, time.perf_counter()))
             except Exception as err:
@@ -341,6 +430,7 @@ class RankRuntime:
         self._pending_w.clear()
         self._mail.clear()
         self._inputs, self._targets, self._weights = (), (), ()
+        self.running = None
 
     def _check_buffers_empty(self) -> None:
         left = {
@@ -390,13 +480,19 @@ class RankRuntime:
             loss_fn = self.loss_fn
             if loss_fn is None:
                 raise ValueError("a training step needs loss_fn; pass loss_fn=... to Pipeline")
-            loss = loss_fn(output, self._targets[mb]) * self._weights[mb]
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError(
-                    f"loss_fn returned {type(loss).__name__} "
-                    f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}; it must return a "
-                    "scalar tensor (use a mean- or sum-reduced loss)"
+            raw = loss_fn(output, self._targets[mb])
+            if not isinstance(raw, Tensor) or raw.numel() != 1:
+                got = (
+                    f"a tensor of shape {tuple(raw.shape)}" if isinstance(raw, Tensor)
+                    else f"{_short_repr(raw)} (a {type(raw).__name__})"
                 )
+                raise TypeError(
+                    f"loss_fn {_name_of(loss_fn)} returned {got} for microbatch {mb}; it must "
+                    "return a scalar tensor: a mean- or sum-reduced loss such as "
+                    "nn.CrossEntropyLoss()(output, target) (check the function ends with "
+                    "`return loss`)"
+                )
+            loss = raw * self._weights[mb]
             self._result.losses[mb] = loss.detach()
             self._stash[(stage, mb)] = (inputs, (loss.reshape(()),))
             return
@@ -429,42 +525,55 @@ class RankRuntime:
         return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _send_input_grads(
-        self, step: _Step, inputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]
+        self, step: _Step, mb: int, inputs: tuple[Tensor, ...], grads: Sequence[Tensor | None]
     ) -> None:
-        if step.writes is None:  # stage 0: its inputs need no gradient
-            return
         floats = [t for t in inputs if _is_float(t)]
+        if step.writes is None:  # stage 0: the caller's inputs, applied once the step succeeded
+            if any(t.requires_grad for t in floats):
+                self._result.input_grads[mb] = tuple(
+                    g for t, g in zip(floats, grads, strict=True) if t.requires_grad
+                )
+            return
         self._mail[step.writes] = tuple(
             torch.zeros_like(t) if g is None else g for t, g in zip(floats, grads, strict=True)
         )
+
+    def _accumulate(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        """Add `grads` into the parameters' `.grad` (the only gradient write of a step), under
+        the cancel token: a cancelled step's worker raises here instead of writing."""
+        lock = self.abort.writing(f"rank {self.rank}'s gradient write") if self.abort else None
+        with lock or nullcontext():
+            accumulate_grads(params, grads)
 
     def _backward(self, action: Action, step: _Step, train: bool) -> None:
         stage, mb = action.stage, action.microbatch
         inputs, outputs = self._stash.pop((stage, mb))
         roots, grads = self._roots(step, outputs)
-        floats = [t for t in inputs if _is_float(t)] if step.writes is not None else []
-        if not self.schedule.splits_backward:
-            if roots:
-                torch.autograd.backward(roots, grads)
-            self._send_input_grads(step, inputs, [t.grad for t in floats])
-            return
+        floats = [t for t in inputs if _is_float(t)]
         wanted = [t for t in floats if t.requires_grad]
-        dx, work = backward_input(
-            roots,
-            grads,
-            wanted,
-            self._params[stage],
-            save_weight_paths=not self.checkpoint_activations,
-        )
+        params = self._params[stage]
+        work = None
+        if not self.schedule.splits_backward:
+            got: Sequence[Tensor | None] = [None] * (len(wanted) + len(params))
+            if roots and (wanted or params):
+                got = torch.autograd.grad(roots, [*wanted, *params], grads, allow_unused=True)
+            self._accumulate(params, got[len(wanted):])
+            dx = got[: len(wanted)]
+        else:
+            dx, work = backward_input(
+                roots, grads, wanted, params, save_weight_paths=not self.checkpoint_activations
+            )
         by_id = {id(t): g for t, g in zip(wanted, dx, strict=True)}
-        self._send_input_grads(step, inputs, [by_id.get(id(t)) for t in floats])
-        self._pending_w[(stage, mb)] = work
+        self._send_input_grads(step, mb, inputs, [by_id.get(id(t)) for t in floats])
+        if work is not None:
+            self._pending_w[(stage, mb)] = work
 
     def _weight(self, action: Action, step: _Step, train: bool) -> None:
         key = (action.stage, action.microbatch)
         if key not in self._pending_w:
             raise RuntimeError(f"{action} has no matching B before it on rank {self.rank}")
-        backward_weight(self._pending_w.pop(key))
+        self._accumulate(*backward_weight(self._pending_w.pop(key)))
+
 
 # ---------------------------------------------------------------------------------------------
 # Split backward (zero-bubble B and W)
@@ -607,8 +716,11 @@ def backward_input(
     return dx, WeightWork(groups, [roots[i] for i in rest], [grads[i] for i in rest], list(params))
 
 
-def backward_weight(work: WeightWork) -> None:
-    """W of a split backward: weight grads from what `backward_input` kept, into `.grad`."""
+def backward_weight(work: WeightWork) -> tuple[list[Tensor], list[Tensor | None]]:
+    """W of a split backward: the weight grads from what `backward_input` kept, as (params,
+    grads) for the caller to accumulate."""
+    params: list[Tensor] = []
+    grads: list[Tensor | None] = []
     for group in work.groups:
         edges = [
             GradientEdge(n, k)
@@ -627,15 +739,19 @@ def backward_weight(work: WeightWork) -> None:
             if gs
         ]
         try:
-            # backward (not grad): AccumulateGrad adds into .grad, locked per parameter, so a
-            # weight shared with a stage on another thread accumulates safely.
             # Groups may share weight-only nodes; the graph is freed when `work` is dropped.
-            torch.autograd.backward(edges, saved, inputs=group.params, retain_graph=True)
+            got = torch.autograd.grad(
+                edges, group.params, saved, retain_graph=True, allow_unused=True
+            )
         finally:
             for h in handles:
                 h.remove()
+        params += group.params
+        grads += got
     if work.roots and work.params:
-        torch.autograd.backward(work.roots, work.grads, inputs=work.params)
+        params += work.params
+        grads += torch.autograd.grad(work.roots, work.params, work.grads, allow_unused=True)
+    return params, grads
 
 
 _HANDLERS: dict[Op, Callable[[RankRuntime, Action, _Step, bool], None]] = {

@@ -230,7 +230,7 @@ class DistributedExecutor(Executor):
             self.transport.finish()
             self.grads.finish()
             timeline = self._finish(pending, result.events)
-        return StepResult(total / self.layout.data_parallel, timeline)
+        return StepResult(total / self.layout.data_parallel, timeline, result.input_grads)
 
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         """Forward only; on the last stage's rank the output per microbatch, elsewhere []."""
