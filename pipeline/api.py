@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from partitioner import Plan, StageModule
 from pipeline import checkpoint
+from pipeline.autoplan import AutoPlan
 from pipeline.costs import StageCosts, costs_for_stages, predict
 from pipeline.distributed import DistContext, DistributedExecutor
 from pipeline.executor import Executor
@@ -79,6 +80,11 @@ class Pipeline:
       dualpipev, else 1).
     - ``microbatches``: default ``min(2 x stages, batch size)`` of the first batch (logged on the
       "hybridpipe" logger). Batches are split along dim 0 as ``torch.tensor_split`` does.
+    - ``schedule="auto"``, ``microbatches="auto"``, ``virtual_stages="auto"``: chosen on the
+      first batch by simulating the candidates on the profiled model (pipeline.autoplan; the
+      fastest predicted step), under ``memory_limit`` bytes per device (parameters x 4 for
+      weights, grads and Adam, plus the simulated peak of held activations). ``pipe.autoplan``
+      holds the ranked candidates.
     - ``example_input``: when given, the plan is made now; otherwise from the first batch
       (capture and profiling run on one microbatch of it).
     - ``checkpoint_activations``: recompute each stage's forward in its backward
@@ -130,12 +136,13 @@ class Pipeline:
         stages: int = 4,
         *,
         schedule: str | os.PathLike[str] | Schedule = "1f1b",
-        microbatches: int | None = None,
+        microbatches: int | str | None = None,
         loss_fn: LossFn | None = None,
         balance: str | Sequence[int] = "profile",
         devices: Sequence[str | torch.device] | None = None,
         example_input: Batch | None = None,
-        virtual_stages: int | None = None,
+        virtual_stages: int | str | None = None,
+        memory_limit: float | None = None,
         checkpoint_activations: bool = False,
         data_parallel: int | None = None,
         timeout: float | None = None,
@@ -146,10 +153,15 @@ class Pipeline:
         self.module = model
         self._busy, self._busy_with = threading.Lock(), ""  # see _one_at_a_time
         self.stages = _check_int(stages, "stages", 1, "give the number of pipeline ranks")
-        if microbatches is not None:
+        if microbatches not in (None, "auto"):
             _check_int(microbatches, "microbatches", 1, "split each batch into at least 1")
-        if virtual_stages is not None:
+        if virtual_stages not in (None, "auto"):
             _check_int(virtual_stages, "virtual_stages", 1, "give model chunks per rank")
+        if memory_limit is not None and (
+            isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+            or memory_limit <= 0
+        ):
+            raise ValueError(f"memory_limit must be a number of bytes > 0, got {memory_limit!r}")
         if data_parallel not in (None, 1) and not dist.is_initialized():
             raise ValueError(
                 f"data_parallel={data_parallel} needs the distributed executor: launch with "
@@ -161,6 +173,7 @@ class Pipeline:
         self._planner = Planner(
             model, self.stages, schedule=schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
+            memory_limit=memory_limit,
         )
         self._executor = _executor_for(self.stages, devices, data_parallel, self.timeout)
         self.devices = self._executor.devices
@@ -305,6 +318,12 @@ class Pipeline:
         self._plan_made  # noqa: B018 - raises the explanatory error before the first batch
         held = self._executor.held()
         return [held[s] for s in sorted(held)]
+
+    @property
+    def autoplan(self) -> AutoPlan | None:
+        """The auto-planner's ranked candidates when a setting was "auto" (else None)."""
+        self._plan_made  # noqa: B018 - raises the explanatory error before the first batch
+        return self._planner.autoplan
 
     @property
     def trace(self) -> Timeline | None:

@@ -12,6 +12,7 @@ import networkx as nx
 
 from partitioner import Plan, partition
 from scheduler import Schedule, Timeline, simulate
+from scheduler.simulate import Summary, summarize
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,25 @@ def predict(
     """The predicted Timeline of one step: `action_costs` plus `overhead` seconds per action
     (the runtime's own work around each one) and `latency` seconds per cross-rank transfer.
     Its memory curve is in activation bytes."""
+    f, b, w = _with_overhead(costs, schedule, overhead)
+    return simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)
+
+
+def predict_summary(
+    schedule: Schedule, costs: StageCosts, *, latency: float = 0.0, overhead: float = 0.0
+) -> Summary:
+    """`predict`'s step time, bubble and peak activation bytes per rank, without building the
+    Timeline (for a generator's schedule; the planner calls this thousands of times)."""
+    f, b, w = _with_overhead(costs, schedule, overhead)
+    return summarize(schedule, f, b, w, latency, costs.activation_bytes)
+
+
+def _with_overhead(
+    costs: StageCosts, schedule: Schedule, overhead: float
+) -> tuple[list[float], list[float], list[float]]:
     f, b, w = action_costs(costs, schedule)
     f = [x + overhead for x in f]
     b = [x + overhead for x in b]
     if schedule.splits_backward:
         w = [x + overhead for x in w]
-    return simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)
+    return f, b, w

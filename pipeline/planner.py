@@ -21,6 +21,7 @@ import networkx as nx
 import torch
 
 from partitioner import Plan, StageModule, capture, partition, profile, split_model
+from pipeline.autoplan import AutoPlan, search
 from pipeline.costs import StageCosts, stage_costs
 from pipeline.microbatch import batch_size, split_microbatches
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
@@ -56,10 +57,13 @@ class Planned:
     costs: StageCosts | None
 
 
+AUTO = "auto"
+
+
 def _load_custom(spec: object) -> Schedule | None:
     if isinstance(spec, Schedule):
         return spec
-    if isinstance(spec, str) and spec in SCHEDULES:
+    if isinstance(spec, str) and (spec in SCHEDULES or spec == AUTO):
         return None
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec)
@@ -85,7 +89,12 @@ def _load_custom(spec: object) -> Schedule | None:
 class Planner:
     """Makes the plan of a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks
     (stages) per rank, `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the
-    first batch), `balance` as in `partitioner.partition`."""
+    first batch), `balance` as in `partitioner.partition`.
+
+    "auto" for the schedule, the microbatches or the virtual stages lets `pipeline.autoplan`
+    choose them by simulation on the first batch (profiled on a provisional microbatch of
+    ``min(2 x ranks, batch)``), under `memory_limit` bytes per device; the others stay as
+    given. The search result is kept as `autoplan`."""
 
     def __init__(
         self,
@@ -93,24 +102,37 @@ class Planner:
         ranks: int,
         *,
         schedule: str | os.PathLike[str] | Schedule,
-        microbatches: int | None,
-        virtual_stages: int | None,
+        microbatches: int | str | None,
+        virtual_stages: int | str | None,
         balance: str | Sequence[int],
         leaf_modules: tuple[type, ...] | None,
+        memory_limit: float | None = None,
     ) -> None:
         self.model = model
         self.ranks = ranks
-        self.microbatches = microbatches
-        self.virtual_stages = virtual_stages
+        self.auto = AUTO in (schedule, microbatches, virtual_stages)
+        self.memory_limit = memory_limit
+        self.autoplan: AutoPlan | None = None
+        self._auto_m = microbatches == AUTO
+        self._auto_v = virtual_stages == AUTO
+        self.microbatches: int | None = microbatches if isinstance(microbatches, int) else None
+        self.virtual_stages: int | None = (
+            virtual_stages if isinstance(virtual_stages, int) else None
+        )
         self.balance = balance
         self.leaf_modules = leaf_modules
         self.schedule_spec = schedule
         self.schedule: Schedule | None = None
         custom = _load_custom(schedule)
         if custom is not None:
+            if self.auto:
+                raise ValueError(
+                    f"a custom schedule ({custom.name!r}) fixes microbatches and chunks; drop "
+                    "the 'auto' settings or pass schedule='auto'"
+                )
             self.schedule = self._adopt(custom)
-        elif microbatches is not None:
-            self.schedule = self._build(microbatches)
+        elif self.microbatches is not None and not self.auto:
+            self.schedule = self._build(self.microbatches)
 
     def _build(self, microbatches: int) -> Schedule:
         return build_schedule(
@@ -146,6 +168,7 @@ class Planner:
     def make(self, args: tuple[Any, ...] | None, how: Coordination) -> Planned:
         """Plan from one batch of positional inputs `args` (needed on the leader only)."""
         offer = None
+        profiled: tuple[nx.DiGraph, tuple[Any, ...]] | None = None
         if how.leads:
             if args is None:
                 raise ValueError(
@@ -154,24 +177,63 @@ class Planner:
                 )
             size = batch_size(args, "inputs")
             m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
-            offer = (m, tuple(split_microbatches(args, m, "inputs")[0]))
-        m, example = how.agree(offer)
+            example = tuple(split_microbatches(args, m, "inputs")[0])
+            choice = None
+            if self.auto:
+                captured = capture(self.model, example, leaf_modules=self.leaf_modules)
+                profile(captured, self.model, example, device=how.device)
+                choice = self._choose(captured, size, batch_size(example, "inputs"))
+                if choice[1] == m:
+                    profiled = (captured, example)  # reuse: same microbatch
+                else:
+                    m = choice[1]
+                    example = tuple(split_microbatches(args, m, "inputs")[0])
+            offer = (m, example, choice)
+        m, example, choice = how.agree(offer)
+        if choice is not None:
+            name, _, v = choice
+            self.microbatches, self.virtual_stages, self.schedule_spec = m, v, name
+            self.schedule = self._build(m)
+            log.info("hybridpipe: auto-planned schedule=%s microbatches=%d virtual_stages=%d",
+                     name, m, v)
         if self.microbatches is None:
             self.microbatches = m
             log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
         if self.schedule is None:
             self.schedule = self._build(m)
         schedule = self.schedule
-        graph = capture(self.model, example, leaf_modules=self.leaf_modules)
+        if profiled is not None:
+            graph = profiled[0]
+        else:
+            graph = capture(self.model, example, leaf_modules=self.leaf_modules)
         plan = costs = None
         if how.leads:
-            if self.balance == "profile":
+            if self.balance == "profile" and profiled is None:
                 profile(graph, self.model, example, device=how.device)
             plan = partition(graph, schedule.num_stages, self.balance)
             # Costs are measured by the leader while it still holds the whole model.
             costs = stage_costs(graph, plan) if self.balance == "profile" else None
         plan, costs = how.agree((plan, costs))
         return Planned(self.model, schedule, plan, graph, example, split_model(graph, plan), costs)
+
+    def _choose(self, graph: nx.DiGraph, size: int, profiled_batch: int) -> tuple[str, int, int]:
+        """(schedule, microbatches, virtual stages): the fastest predicted within the memory
+        limit, the settings not left to "auto" held fixed."""
+        fixed_name = None if self.schedule_spec == AUTO else [str(self.schedule_spec)]
+        self.autoplan = search(
+            graph,
+            world_size=self.ranks,
+            pp=[self.ranks],
+            batch_size=size,
+            profiled_batch=profiled_batch,
+            memory_limit=self.memory_limit,
+            schedules=fixed_name,
+            microbatches=None if self._auto_m else [self.microbatches or min(2 * self.ranks, size)],
+            virtual_stages=None if self._auto_v or self.virtual_stages is None
+            else [self.virtual_stages],
+        )
+        best = self.autoplan.best
+        return best.schedule, best.microbatches, best.virtual_stages
 
     def costs(self, planned: Planned, how: Coordination) -> StageCosts:
         """Per-stage profiled seconds (profiling now, on the planning example, if needed)."""

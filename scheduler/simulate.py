@@ -4,8 +4,9 @@ executes its actions in order, each starting when the rank is free and its input
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from scheduler.ir import Schedule
+from scheduler.ir import Op, Schedule
 from scheduler.timeline import Event, Timeline, per_stage
 from scheduler.validate import check_structure, execute
 
@@ -63,7 +64,31 @@ def simulate(
         raise ValueError(f"bandwidth={bandwidth} must be > 0 (bytes per time unit)")
     act = per_stage(activation, n, "activation") if activation is not None else None
     check_structure(schedule)
+    times = _execute(schedule, f, b, w, comm, bandwidth, message_bytes)
+    events = tuple(
+        Event(rank, a.stage, a.op, a.microbatch, start, end)
+        for rank, acts in enumerate(schedule.actions)
+        for a, (start, end) in zip(acts, times[rank], strict=True)
+    )
+    return Timeline(
+        events=events,
+        num_ranks=schedule.num_ranks,
+        splits_backward=schedule.splits_backward,
+        name=schedule.name,
+        activation=act,
+    )
 
+
+def _execute(
+    schedule: Schedule,
+    f: Sequence[float],
+    b: Sequence[float],
+    w: Sequence[float],
+    comm: float,
+    bandwidth: float | None,
+    message_bytes: Cost | None,
+) -> list[list[tuple[float, float]]]:
+    n = schedule.num_stages
     if schedule.splits_backward:
         costs = [(f[s], b[s], w[s]) for s in range(n)]
     else:
@@ -77,19 +102,57 @@ def simulate(
         # Activations cross boundary from_stage -> from_stage+1; gradients cross it backwards.
         return delay[min(from_stage, to_stage)]
 
-    times = execute(schedule, lambda s, o: costs[s][o], latency)
-    events = tuple(
-        Event(rank, a.stage, a.op, a.microbatch, start, end)
-        for rank, acts in enumerate(schedule.actions)
-        for a, (start, end) in zip(acts, times[rank], strict=True)
-    )
-    return Timeline(
-        events=events,
-        num_ranks=schedule.num_ranks,
-        splits_backward=schedule.splits_backward,
-        name=schedule.name,
-        activation=act,
-    )
+    return execute(schedule, lambda s, o: costs[s][o], latency)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The figures of a predicted Timeline without its events: step time, bubble fraction and
+    each rank's peak held activation amount (in `activation` units)."""
+
+    step_time: float
+    bubble_fraction: float
+    peak_memory: tuple[float, ...]
+
+
+def summarize(
+    schedule: Schedule,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float],
+    comm: float,
+    activation: Sequence[float],
+) -> Summary:
+    """`simulate`'s step time, bubble and peak memory for a schedule already known to be
+    well formed (a generator's output), per-stage costs given: what a planner comparing
+    thousands of candidates needs, at a fraction of the cost (no structure check, no Events).
+    Same figures as the Timeline's (tested)."""
+    times = _execute(schedule, forward, backward, weight, comm, None, None)
+    t0 = min((t[0][0] for t in times if t), default=0.0)
+    t1 = max((t[-1][1] for t in times if t), default=0.0)
+    busy = sum(end - start for rank in times for start, end in rank)
+    step = t1 - t0
+    bubble = max(0.0, 1.0 - busy / (schedule.num_ranks * step)) if step > 0 else 0.0
+    return Summary(step, bubble, peak_held(schedule, activation))
+
+
+def peak_held(schedule: Schedule, activation: Sequence[float]) -> tuple[float, ...]:
+    """Each rank's peak held activation amount, from its action list alone: a rank runs its
+    list one action at a time and only its own F (taking at its start) and B or W (freeing at
+    its end) change what it holds, so the peak does not depend on the costs. Equals the
+    simulated Timeline's `peak_memory` for any costs."""
+    release = Op.W if schedule.splits_backward else Op.B
+    peaks = []
+    for acts in schedule.actions:
+        held = peak = 0.0
+        for a in acts:
+            if a.op is Op.F:
+                held += activation[a.stage]
+                peak = max(peak, held)
+            elif a.op is release:
+                held -= activation[a.stage]
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def rank_costs_to_stages(cost: Cost, schedule: Schedule, what: str = "cost") -> list[float]:

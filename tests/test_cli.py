@@ -220,9 +220,9 @@ def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str
 
 def test_missing_command_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     err = fails(capsys)
-    assert err.startswith("usage: hybridpipe [-h] {simulate,profile,demo}")
+    assert err.startswith("usage: hybridpipe [-h] {simulate,profile,plan,demo}")
     assert err.splitlines()[-1] == (
-        "hybridpipe: error: the following arguments are required: {simulate,profile,demo}"
+        "hybridpipe: error: the following arguments are required: {simulate,profile,plan,demo}"
     )
 
 
