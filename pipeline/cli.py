@@ -612,6 +612,11 @@ def _add_demo(subparsers: Any) -> None:
             "compare the schedules in simulation, train it through Pipeline on the Python\n"
             "standard library's source text and write pictures, a Chrome trace and a report."
         ),
+        epilog=(
+            "examples:\n"
+            "  hybridpipe demo --out out\n"
+            "  hybridpipe demo --steps 40 --stages 2 --schedule zb-h1 --out out/zb-h1"
+        ),
         formatter_class=_Formatter,
     )
     parser.add_argument("--out", default="out", help="folder for the pictures, trace and report")

@@ -208,7 +208,7 @@ def test_compare_falls_back_for_single_chunk_schedules(
         assert rows[name][4] == f"{expected.bubble_fraction:.1%}"
 
 
-@pytest.mark.parametrize("command", ["simulate", "profile"])
+@pytest.mark.parametrize("command", ["simulate", "profile", "demo"])
 def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

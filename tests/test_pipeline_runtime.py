@@ -84,6 +84,7 @@ def test_single_rank_runtime_and_stage_done_hook(name: str) -> None:
     """One rank holding both stages: handoffs stay local; the hook fires once per stage right
     after that stage's last backward action, and the grads are exact."""
     schedule = build_schedule(name, 1, 3)
+    assert schedule.placement == (0, 0) and schedule.splits_backward == (name == "zbv")
     done: list[int] = []
     runtime, model = _two_stage_runtime(schedule, done)
     x = torch.randn(6, 3, dtype=torch.float64)
