@@ -1,9 +1,10 @@
 """Benchmark: hybridpipe's distributed executor against torch.distributed.pipelining
 (Schedule1F1B and ScheduleGPipe, PipelineStage built by hand from the same stage modules) on 2
 gloo ranks with 1 thread each, the runs interleaved step by step in one launch, for m=8 and
-m=32 microbatches of an 8-block MLP-transformer stack; plus one process running the same
-microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p). A second pass with
-near-zero compute gives the runtime's per-action overhead. Next to the ratio of medians it reports
+m=32 microbatches of 8 and of 16 rows of an 8-block MLP-transformer stack; plus one process
+running the same microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p)
+(efficiency = ideal / step time). A second pass with near-zero compute gives the runtime's
+per-action overhead. Next to the ratio of medians it reports
 the per-round ratio torch / hybridpipe (median and quartiles over rounds: the two runs of a round
 are steps apart, so drift and other load hit both), since two ranks on two shared cores make
 single medians move by about +-10% between runs. Every run's grads are set to None before each
@@ -12,7 +13,8 @@ up over steps, and Pipeline.step, which sets existing grads aside and adds them 
 step leaves them untouched, would pay one extra pass over them that training never pays. Writes
 benchmarks/results/distributed.{md,json}.
 
-Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes)
+Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes;
+BENCH_CASES=compute or BENCH_CASES=near-zero runs one pass only, BENCH_REPEATS sets the rounds)
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ from torch.nn import functional as F
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 P = 2
-ROWS = 16  # rows per microbatch
-REPEATS, WARMUP = 30, 3
+REPEATS, WARMUP = int(os.environ.get("BENCH_REPEATS", "30")), 3
+# (label, model width, hidden width, rows per microbatch)
+CASES = (
+    ("compute", 256, 1024, 16),
+    ("compute", 256, 1024, 8),
+    ("near-zero compute", 8, 8, 16),
+)
 _LOAD = "load average (1 min) at the end"
 _LOAD_START = "load average (1 min) at the start"
 
@@ -62,7 +69,7 @@ def _timed(fn: Callable[[], object]) -> float:
 Run = tuple[Callable[[], object], Callable[[], None]]  # (one step, its zero_grad)
 
 
-def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Run]:
+def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]:
     """The step functions to compare, over identical models (seed 0) and batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -71,7 +78,7 @@ def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Run]:
     from pipeline.models import mlp_stack
 
     torch.manual_seed(0)
-    x, y = torch.randn(ROWS * m, dim), torch.randn(ROWS * m, dim)
+    x, y = torch.randn(rows * m, dim), torch.randn(rows * m, dim)
     single = mlp_stack(blocks=8, dim=dim, hidden=hidden)
     xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
 
@@ -84,7 +91,7 @@ def _runs(rank: int, dim: int, hidden: int, m: int) -> dict[str, Run]:
     for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
         pipe = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=name,
                         microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
-        graph = capture(mlp_stack(blocks=8, dim=dim, hidden=hidden), (x[:ROWS],))
+        graph = capture(mlp_stack(blocks=8, dim=dim, hidden=hidden), (x[:rows],))
         stages = split_model(graph, partition(graph, P, "uniform"))
         peer = cls(PipelineStage(stages[rank], rank, P, torch.device("cpu")), m, loss_fn=_loss)
         runs[f"hybridpipe {name}"] = (partial(pipe.step, x, y), pipe.zero_grad)
@@ -100,9 +107,12 @@ def _worker() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results: dict[str, Any] = {}
-    for label, dim, hidden in (("compute", 256, 1024), ("near-zero compute", 8, 8)):
+    wanted = os.environ.get("BENCH_CASES", "")
+    for label, dim, hidden, rows in CASES:
+        if not label.startswith(wanted):
+            continue
         for m in (8, 32):
-            runs = _runs(rank, dim, hidden, m)
+            runs = _runs(rank, dim, hidden, m, rows)
             samples: dict[str, list[float]] = {k: [] for k in runs}
             keys = list(runs)
             for i in range(WARMUP + REPEATS):
@@ -116,9 +126,9 @@ def _worker() -> None:
             barrier = statistics.median(_timed(lambda: None) for _ in range(20))
             med = {k: statistics.median(v) for k, v in samples.items()}
             med["ideal"] = med["one process"] * (m + P - 1) / (m * P)
-            results[f"{label} m={m}"] = {
+            results[f"{label} m={m} rows={rows}"] = {
                 "median_s": med, "barrier_s": barrier, "samples_s": samples,
-                "actions_per_rank": 2 * m, "dim": dim, "hidden": hidden, "rows": ROWS,
+                "actions_per_rank": 2 * m, "dim": dim, "hidden": hidden, "rows": rows,
             }
     if rank == 0:
         results[_LOAD] = os.getloadavg()[0]
@@ -171,19 +181,21 @@ def _report(data: dict[str, Any]) -> str:
         "",
         f"2 gloo ranks on one machine, 1 thread each ({platform.processor() or platform.machine()},"
         f" {os.cpu_count()} cores, torch {torch.__version__}); 8-block MLP-transformer stack "
-        f"(nn.Sequential of residual MLP blocks), {ROWS} rows per microbatch, same stage modules "
-        f"for both. Median of {REPEATS} steps per run, runs interleaved step by step (order "
+        "(nn.Sequential of residual MLP blocks), same stage modules for both. "
+        f"Median of {REPEATS} steps per run, runs interleaved step by step (order "
         "rotated each round); each timed step is bracketed by two barriers (their cost is "
         "listed in the JSON and included in every figure). Grads are set to None before every "
         "step (untimed), as zero_grad() in a training loop. "
-        "'ideal' = one process x (m + p - 1) / (m p). 'per round' = torch's step time / "
+        "'ideal' = one process x (m + p - 1) / (m p); 'efficiency' = ideal / step time. "
+        "'per round' = torch's step time / "
         "hybridpipe's in the same round: median [quartiles] over rounds (> 1: hybridpipe "
         "faster).",
         "",
         note,
         "",
-        "| case | run | step ms | vs one process | vs torch (same schedule) | per round |",
-        "|---|---|---:|---:|---:|---:|",
+        "| case | run | step ms | vs one process | efficiency | vs torch (same schedule) "
+        "| per round |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     cases = {k: v for k, v in data.items() if isinstance(v, dict)}
     for case, res in cases.items():
@@ -194,7 +206,7 @@ def _report(data: dict[str, Any]) -> str:
                 peer = f"{med['torch ' + run.split()[1]] / t:.2f}x faster"
                 paired = _paired(res, run)
             lines.append(f"| {case} | {run} | {1e3 * t:.2f} | {med['one process'] / t:.2f}x | "
-                         f"{peer} | {paired} |")
+                         f"{med['ideal'] / t:.2f} | {peer} | {paired} |")
     lines += ["", "Per-action runtime overhead with near-zero compute: (step time - barrier) / "
               "actions per rank, minus the compute of one action (one process's time / (2 m p)):",
               ""]

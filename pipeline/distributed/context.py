@@ -66,7 +66,7 @@ class DistContext:
         """See `Failures.guard`: run collective work, turning failures into clear errors."""
         return self.failures.guard(what)
 
-    def wait_work(self, work: Any, peer: int | None, what: str) -> None:
+    def wait_work(self, work: Any, peer: int | None, what: object) -> None:
         """See `Failures.wait_work`: wait for a Work under the timeout."""
         self.failures.wait_work(work, peer, what)
 

@@ -194,10 +194,10 @@ class DistributedExecutor(Executor):
             sig = torch.tensor(
                 [_shape_key(mode, count, inputs), count], dtype=torch.int64, device=device
             )
-            for r in self.layout.pipeline_ranks():
+            for p, r in enumerate(self.layout.pipeline_ranks()):
                 if r != first:  # completion is awaited with the step's other sends
                     self.transport.track(
-                        dist.isend(sig, dst=r, tag=SIG_TAG), r, sig, "the batch-shape key"
+                        dist.isend(sig, dst=r, tag=SIG_TAG), p, sig, "the batch-shape key"
                     )
             return int(sig[0]), count
         sig = torch.empty(2, dtype=torch.int64, device=device)
@@ -219,15 +219,20 @@ class DistributedExecutor(Executor):
         with ctx.guard("training step"):
             key, _ = self._agree_key("train", schedule.num_microbatches, inputs)
             self.transport.begin(key, self._messages("train", schedule.num_microbatches))
-            total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            pending = self._end_receives(total) if self._tags_match else []
-            result = self.runtime.run_step(inputs, targets, loss_weights)
-            if self.holds_last_stage:
-                total += torch.stack([v.to(torch.float64) for v in result.losses.values()]).sum()
-            if not self._tags_match:
-                pending += self._end_receives(total)
-            pending += self._end_sends(total, result.events)
-            self.transport.finish()
+            try:
+                total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+                pending = self._end_receives(total) if self._tags_match else []
+                result = self.runtime.run_step(inputs, targets, loss_weights)
+                if self.holds_last_stage:
+                    losses = [v.to(torch.float64) for v in result.losses.values()]
+                    total += torch.stack(losses).sum()
+                if not self._tags_match:
+                    pending += self._end_receives(total)
+                pending += self._end_sends(total, result.events)
+                self.transport.finish()
+            except BaseException:
+                self.transport.abandon()
+                raise
             self.grads.finish()
             timeline = self._finish(pending, result.events)
         return StepResult(total / self.layout.data_parallel, timeline, result.input_grads)
@@ -238,8 +243,12 @@ class DistributedExecutor(Executor):
             count = len(inputs) if inputs is not None else 0
             key, count = self._agree_key("forward", count, inputs)
             self.transport.begin(key, self._messages("forward", count))
-            result = self.runtime.run_forward(inputs, count, grad=torch.is_grad_enabled())
-            self.transport.finish()
+            try:
+                result = self.runtime.run_forward(inputs, count, grad=torch.is_grad_enabled())
+                self.transport.finish()
+            except BaseException:
+                self.transport.abandon()
+                raise
         if not self.holds_last_stage:
             return []
         return [result.outputs[m] for m in range(count)]

@@ -109,7 +109,7 @@ class Failures:
             err.add_note(f"hybridpipe: {text}; the other ranks are told and stop")
             raise
 
-    def wait_work(self, work: Any, peer: int | None, what: str) -> None:
+    def wait_work(self, work: Any, peer: int | None, what: object) -> None:
         """Wait for a torch.distributed Work under the timeout, as a CommError on failure."""
         try:
             work.wait(timeout=self.wait)

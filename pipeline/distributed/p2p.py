@@ -3,13 +3,17 @@ metadata message describing the tensors the first time a message of a batch shap
 then one flat buffer per dtype) and `P2PTransport`, the runtime's `Transport` over
 torch.distributed ``isend``/``irecv``, with receives posted ahead in each sender's order.
 
-Tags: every (kind, stage, microbatch, tensor index) has its own int32 tag (`tag`), so gloo
-matches messages by tag; NCCL matches in posting order, which the sender-ordered posting
-keeps."""
+Messages travel in the pipeline's own process group (the mesh's "pp" group, whose group
+ranks are the pipeline ranks), through `ProcessGroup.send`/`recv` directly: `dist.isend`'s
+argument checks and rank translation cost ~10 us a call and are already settled here. Tags:
+every (kind, stage, microbatch, tensor index) has its own int32 tag (`tag`), so gloo matches
+messages by tag; NCCL matches in posting order, which the sender-ordered posting keeps."""
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipeline.distributed.context import DistContext
+from pipeline.distributed.failure import CommError
 from scheduler import MessageKey, Op, Recv, Send, describe_message
 
 META_LEN = 256  # int64 slots in a metadata message
@@ -106,25 +111,87 @@ def unpack(flats: Mapping[torch.dtype, Tensor], layout: TensorLayout) -> list[Te
     return out
 
 
+class _About:
+    """A lazily formatted description of a message for error messages: formatting it on every
+    send and receive would cost more than the bookkeeping it describes."""
+
+    __slots__ = ("key", "prefix")
+
+    def __init__(self, key: MessageKey, prefix: str = "") -> None:
+        self.key, self.prefix = key, prefix
+
+    def __str__(self) -> str:
+        return self.prefix + describe_message(self.key)
+
+
+_Pending = tuple[Any, int, object, Tensor]  # (Work, pipeline rank, what it carries, buffer)
+
+
+class _Sender:
+    """Posts isends from a thread of its own for one step. gloo's isend can block its caller
+    for a long time (it takes the connection's lock, which gloo's reader thread holds while
+    it is descheduled on a busy machine); on this thread that wait overlaps the next compute.
+    Messages are matched by tag, so posting order does not matter (gloo only)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.queue: queue.SimpleQueue[tuple[Tensor, int, int, object] | None] = (
+            queue.SimpleQueue()
+        )
+        self.posted: list[_Pending] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hybridpipe-send", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        send, posted = self.group.send, self.posted
+        while (item := self.queue.get()) is not None:
+            tensor, peer, tag_, what = item
+            try:
+                posted.append((send([tensor], peer, tag_), peer, what, tensor))
+            except BaseException as err:  # noqa: B036 - handed to the step's thread
+                self.error = err
+                return
+
+    def close(self, timeout: float) -> list[_Pending]:
+        """Stop after the queued isends; return them (their completion is the caller's)."""
+        self.queue.put(None)
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise CommError(
+                f"posting this step's sends took longer than the timeout ({timeout:g} s)", None
+            )
+        if self.error is not None:
+            raise self.error
+        return self.posted
+
+
 class P2PTransport:
     """`Transport` over torch.distributed point-to-point. One per process.
 
     `begin` starts a step with its messages: receives are posted ahead (`prefetch` per peer)
     in the order each peer sends (`scheduler.incoming`), so transfers overlap compute (and
-    NCCL's in-order matching holds). Sends are isends whose completion is awaited in `finish`.
-    Message shapes are cached per batch-shape key (see pipeline.distributed.executor).
+    NCCL's in-order matching holds). Sends are isends (under gloo posted from a `_Sender`
+    thread) whose completion is awaited in `finish`. Message shapes are cached per
+    batch-shape key (see pipeline.distributed.executor).
     """
 
-    def __init__(self, ctx: DistContext, *, prefetch: int = 2) -> None:
+    def __init__(
+        self, ctx: DistContext, *, prefetch: int = 2, send_thread: bool | None = None
+    ) -> None:
         self.ctx = ctx
+        self.group = ctx.pp_group
         self.prefetch = prefetch
         self.me = ctx.layout.pp_rank
+        self.send_thread = dist.get_backend() == "gloo" if send_thread is None else send_thread
         self._metas: dict[int, dict[MessageKey, TensorLayout]] = {}
+        self._plans: dict[int, dict[MessageKey, list[tuple[torch.dtype, int]]]] = {}
         self._key = 0
         self._new = False
         self._queue: dict[int, deque[MessageKey]] = {}
         self._posted: dict[MessageKey, tuple[int, list[Any], list[Tensor]]] = {}
-        self._sends: list[tuple[Any, int, str, Tensor]] = []
+        self._sends: list[_Pending] = []
+        self._sender: _Sender | None = None
 
     def begin(self, shape_key: int, incoming: Mapping[int, Sequence[MessageKey]]) -> None:
         """Start a step whose batch-shape key is `shape_key` (the same on every rank of the
@@ -133,35 +200,42 @@ class P2PTransport:
         self._new = shape_key not in self._metas
         if self._new:
             self._metas[shape_key] = {}
+            self._plans[shape_key] = {}
         self._queue = {peer: deque(msgs) for peer, msgs in incoming.items()}
+        if self.send_thread:
+            self._sender = _Sender(self.group)
         if not self._new:
             for peer in self._queue:
                 for _ in range(self.prefetch):
                     self._post_next(peer)
 
     def _post_next(self, peer: int) -> MessageKey | None:
-        queue = self._queue.get(peer)
-        if not queue:
+        queue_ = self._queue.get(peer)
+        if not queue_:
             return None
-        msg = queue.popleft()
-        src = self.ctx.layout.global_rank(peer)
-        metas = self._metas[self._key]
-        if msg not in metas:  # first time for this batch shape: metadata comes first
+        msg = queue_.popleft()
+        plans = self._plans[self._key]
+        plan = plans.get(msg)
+        if plan is None:  # first time for this batch shape: metadata comes first
             meta = torch.empty(META_LEN, dtype=torch.int64, device=self.ctx.device)
-            work = dist.irecv(meta, src=src, tag=_message_tag(msg, MAX_TENSORS))
-            self.ctx.wait_work(work, src, f"the shapes of {describe_message(msg)}")
-            metas[msg] = decode_meta(meta)
-        layout = metas[msg]
-        flats = {
-            dtype: torch.empty(n, dtype=dtype, device=self.ctx.device)
-            for dtype, n in packed_sizes(layout).items()
-        }
-        works = [
-            dist.irecv(flat, src=src, tag=_message_tag(msg, i))
-            for i, flat in enumerate(flats.values())
-        ]
-        self._posted[msg] = (src, works, unpack(flats, layout))
+            work = self.group.recv([meta], peer, _message_tag(msg, MAX_TENSORS))
+            self._wait(work, peer, _About(msg, "the shapes of "))
+            layout = self._metas[self._key][msg] = decode_meta(meta)
+            plan = plans[msg] = list(packed_sizes(layout).items())
+        device = self.ctx.device
+        flats = [torch.empty(n, dtype=dtype, device=device) for dtype, n in plan]
+        recv = self.group.recv
+        works = [recv([flat], peer, _message_tag(msg, i)) for i, flat in enumerate(flats)]
+        layout = self._metas[self._key][msg]
+        if len(layout) == 1:  # one tensor: its buffer is the tensor
+            tensors = [flats[0].view(layout[0][1])]
+        else:
+            tensors = unpack(dict(zip((d for d, _ in plan), flats, strict=True)), layout)
+        self._posted[msg] = (peer, works, tensors)
         return msg
+
+    def _wait(self, work: Any, peer: int, what: object) -> None:
+        self.ctx.wait_work(work, self.ctx.layout.global_rank(peer), what)
 
     def recv(self, recv: Recv) -> tuple[Tensor, ...]:
         msg = recv.key
@@ -171,36 +245,51 @@ class P2PTransport:
                     f"pipeline rank {self.me} expects no {describe_message(msg)} from "
                     f"pipeline rank {recv.peer} in this step"
                 )
-        src, works, buffers = self._posted.pop(msg)
+        peer, works, buffers = self._posted.pop(msg)
+        about = _About(msg)
         for work in works:
-            self.ctx.wait_work(work, src, describe_message(msg))
+            self._wait(work, peer, about)
         if not self._new:
             self._post_next(recv.peer)
         return tuple(buffers)
 
     def send(self, send: Send, tensors: tuple[Tensor, ...]) -> None:
-        msg = send.key
-        dst = self.ctx.layout.global_rank(send.peer)
+        msg, dst = send.key, send.peer
         metas = self._metas[self._key]
-        if msg not in metas:
+        known = metas.get(msg)
+        if known is None:
             meta = encode_meta(tensors).to(self.ctx.device)
             metas[msg] = decode_meta(meta)
-            work = dist.isend(meta, dst=dst, tag=_message_tag(msg, MAX_TENSORS))
-            self._sends.append((work, dst, f"the shapes of {describe_message(msg)}", meta))
-        elif metas[msg] != [(t.dtype, tuple(t.shape)) for t in tensors]:
+            self._isend(meta, dst, _message_tag(msg, MAX_TENSORS), _About(msg, "the shapes of "))
+        elif len(known) != len(tensors) or any(
+            t.shape != shape or t.dtype != dtype
+            for t, (dtype, shape) in zip(tensors, known, strict=True)
+        ):
             raise ValueError(
-                f"{describe_message(msg)} has shapes {[tuple(t.shape) for t in tensors]} but had "
-                f"{[shape for _, shape in metas[msg]]} for the same batch shapes: the "
+                f"{describe_message(msg)} has shapes {[tuple(t.shape) for t in tensors]} but "
+                f"had {[shape for _, shape in known]} for the same batch shapes: the "
                 "distributed executor needs shapes that depend only on the input shapes "
                 "(cut the model before data-dependent shapes, or pad them)"
             )
-        for i, flat in enumerate(pack(tensors).values()):
-            work = dist.isend(flat, dst=dst, tag=_message_tag(msg, i))
-            self._sends.append((work, dst, describe_message(msg), flat))
-        self._reap()
+        about = _About(msg)
+        if len(tensors) == 1:
+            self._isend(tensors[0].detach().contiguous(), dst, _message_tag(msg, 0), about)
+        else:
+            for i, flat in enumerate(pack(tensors).values()):
+                self._isend(flat, dst, _message_tag(msg, i), about)
+
+    def _isend(self, tensor: Tensor, dst: int, tag_: int, what: object) -> None:
+        sender = self._sender
+        if sender is None:
+            self._sends.append((self.group.send([tensor], dst, tag_), dst, what, tensor))
+            self._reap()
+            return
+        if sender.error is not None:
+            raise sender.error
+        sender.queue.put((tensor, dst, tag_, what))
 
     def track(self, work: Any, dst: int, tensor: Tensor, what: str) -> None:
-        """Await `work` (an isend of `tensor` to global rank `dst`) with the step's sends."""
+        """Await `work` (an isend of `tensor` to pipeline rank `dst`) with the step's sends."""
         self._sends.append((work, dst, what, tensor))
 
     def _reap(self) -> None:
@@ -208,11 +297,25 @@ class P2PTransport:
         if len(self._sends) > 32:
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
+    def abandon(self) -> None:
+        """Drop a failed step's state and stop its sender thread (without waiting)."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.queue.put(None)
+        self._sends.clear()
+        self._posted.clear()
+        self._queue.clear()
+
     def finish(self) -> None:
         """Wait for every send of the step; check no receive is left over."""
-        for work, dst, what, _ in self._sends:
-            self.ctx.wait_work(work, dst, f"the delivery of {what}")
-        self._sends.clear()
+        sender, self._sender = self._sender, None
+        try:
+            if sender is not None:
+                self._sends += sender.close(self.ctx.timeout)
+            for work, dst, what, _ in self._sends:
+                self._wait(work, dst, f"the delivery of {what}")
+        finally:
+            self._sends.clear()
         left = sorted(self._posted) + sorted(m for q in self._queue.values() for m in q)
         self._posted.clear()
         self._queue.clear()
