@@ -69,7 +69,7 @@ def _worker(out: Path) -> None:
         optimizer.step()
         if step == 1 or step % EVERY == 0:
             if step % EVERY == 0:
-                pipe.save_checkpoint(out / "soak.pt", optimizer=optimizer, extra={"step": step})
+                pipe.save_checkpoint(out / "soak", optimizer=optimizer, extra={"step": step})
             samples.append({"step": step, **_usage()})
     elapsed = time.perf_counter() - t0
     (out / f"rank{rank}.json").write_text(json.dumps(

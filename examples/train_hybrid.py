@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--checkpoint", default="hybrid-checkpoint.pt")
+    parser.add_argument("--checkpoint", default="hybrid-checkpoint")
     parser.add_argument("--resume", action="store_true", help="start from --checkpoint")
     args = parser.parse_args()
 

@@ -413,22 +413,25 @@ class Pipeline:
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
         extra: Any = None,
     ) -> None:
-        """Write model and optimizer state (keyed by parameter name) and `extra` to one file,
-        atomically (temp file + fsync + rename). Under torch.distributed every process calls
-        it and global rank 0 writes; loadable at any (stages, data_parallel) layout."""
+        """Write model and optimizer state (keyed by parameter name) and `extra` into the
+        checkpoint directory `path`, sharded (torch.distributed.checkpoint: every process
+        writes its own stages) and atomically (a new version, then an atomic switch; see
+        pipeline.checkpoint). Under torch.distributed every process calls it; loadable at any
+        (stages, data_parallel) layout. `extra` must be plain data (checked now)."""
         checkpoint.save_checkpoint(
             path, self._held(), self._spec, self.distributed, optimizer=optimizer,
-            named_params=dict(self.module.named_parameters()), extra=extra,
+            model=self.module, extra=extra,
         )
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
         """Load a checkpoint from `save_checkpoint` (any layout) into this process's stages
-        and `optimizer` (build it over ``pipe.parameters()`` first); returns the saved extra."""
+        and `optimizer` (build it over ``pipe.parameters()`` first); returns the saved extra.
+        All or nothing: a checkpoint of another model or optimizer (type, param groups) is a
+        ValueError that changes nothing."""
         extra = checkpoint.load_checkpoint(
-            path, self._held(), self._spec, optimizer=optimizer,
-            named_params=dict(self.module.named_parameters()),
+            path, self._held(), self._spec, optimizer=optimizer, model=self.module,
         )
         self._executor.reload()
         return extra

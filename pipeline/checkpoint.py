@@ -1,18 +1,32 @@
 """Model and optimizer state of a pipeline under the original model's keys, for any layout:
 gather the full state dict, load a full state dict into whichever stages this process holds,
-and save/load checkpoints atomically (temp file, fsync, os.replace).
+and save/load sharded checkpoints with torch.distributed.checkpoint (DCP), atomically.
 
 A process holds some stages (`stage_modules`: stage index -> module); their state_dict keys
 are the original model's. `spec` (from `model_spec`) is the whole model's key -> (shape,
 dtype), taken before other stages' parameters were freed, so every process can check a state
 dict against the whole model.
 
-Checkpoint file (one file, written by global rank 0): ``{"format", "version", "spec", "model":
-full state dict, "optimizer": {"state": {param name: state}, "param_groups": [... "params":
-[param names]]} or None, "extra": user data, "layout": {"stages", "data_parallel"}}``. Optimizer
-state is keyed by parameter name, so a run saved at one (stages, data_parallel) resumes at
-another or in one process. Every process reads the file with ``torch.load(mmap=True)`` and
-copies only its stages' tensors: the file must be on storage every node can read.
+Checkpoint directory (`save_checkpoint`): ``PATH/current`` names the live version directory
+``PATH/v-000007``, which holds DCP's files and ``hybridpipe.pt``. Every process writes its own
+stages' tensors (`dcp.save`; data-parallel replicas hold the same keys and DCP writes each key
+once) under ``model.<key>``, and its optimizer's tensors under the keys of
+``get_optimizer_state_dict(model, optimizer, flatten_optimizer_state_dict=True)`` prefixed
+``optim.`` (``optim.state.<param name>.<state key>``): keys are the model's own names, so any
+(stages, data_parallel) layout, or one process, loads any other's checkpoint by reading exactly
+its own keys. ``hybridpipe.pt`` (global rank 0; read with ``weights_only=True``) holds the
+format tag, the model's key -> shape spec, the saved layout, the optimizer's type, group count,
+each parameter's group and its non-tensor values (hyper-parameters), and ``extra``.
+
+Atomic: a save writes a new version directory (files fsynced by DCP), then replaces
+``current`` (temp file, fsync, os.replace, directory fsync), then deletes older versions. A
+writer killed at any moment leaves ``current`` naming the previous, complete version; the next
+save removes what the dead writer left. The directory must be on storage every process can
+read and write.
+
+Loads are all-or-nothing: `load_checkpoint` checks the format, the model's keys and shapes,
+the optimizer's type, param groups and per-parameter state, reads this process's tensors into
+fresh buffers, and only then changes the optimizer and the stages.
 
 Large models without materialising them whole: build the model on the meta device (``with
 torch.device("meta"): model = Model()``) and, under torchrun, make the Pipeline with a meta
@@ -30,22 +44,41 @@ first step. Build the optimizer after loading.
 
 from __future__ import annotations
 
-import glob
+import errno
+import io
 import os
+import re
+import shutil
 import tempfile
-from collections.abc import Collection, Mapping, Sequence
-from contextlib import nullcontext
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
-from pipeline.distributed import DistContext
+from pipeline.distributed import DistContext, agree
 
 FORMAT = "hybridpipe-checkpoint"
-VERSION = 1
+VERSION = 2
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
+_POINTER = "current"  # names the live version directory
+_META = "hybridpipe.pt"
+_VERSION = re.compile(r"v-(\d{6,})")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_NESTED = StateDictOptions(strict=False)  # a parameter with no saved state starts without
 
 
 def model_spec(model: nn.Module) -> dict[str, TensorSpec]:
@@ -183,108 +216,43 @@ def load_state_dict(
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer state by parameter name
+# Checkpoint directories
 # ---------------------------------------------------------------------------------------------
 
 
-def _names_in(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[list[str]]:
-    groups = []
-    for group in optimizer.param_groups:
-        row = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not one of this pipeline's; build "
-                    "it over pipe.parameters()"
-                )
-            row.append(names[id(p)])
-        groups.append(row)
-    return groups
+def _is_rank0(ctx: DistContext | None) -> bool:
+    return ctx is None or ctx.layout.rank == 0
 
 
-def _dedupe(names: list[str]) -> list[str]:
-    return list(dict.fromkeys(names))
+def _agree(value: Any, ctx: DistContext | None) -> Any:
+    return value if ctx is None else agree(value)
 
 
-def optimizer_state(
-    optimizer: torch.optim.Optimizer, named_params: Mapping[str, nn.Parameter],
-    keep: Collection[str] | None = None,
-) -> dict[str, Any]:
-    """`optimizer.state_dict()` keyed by parameter name instead of position; only the state
-    of the parameters in `keep` (default all), e.g. those of the stages held here."""
-    names = {id(p): k for k, p in named_params.items()}
-    order = [k for row in _names_in(optimizer, names) for k in row]
-    sd = optimizer.state_dict()
-    state = {
-        order[i]: {k: _cpu(v) if isinstance(v, Tensor) else v for k, v in s.items()}
-        for i, s in sd["state"].items()
-        if keep is None or order[i] in keep
-    }
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
-        for g in sd["param_groups"]
-    ]
-    return {"state": state, "param_groups": groups}
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _merge_optimizer_states(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for part in parts:
-        state.update(part["state"])
-        for i, g in enumerate(part["param_groups"]):
-            if i == len(groups):
-                groups.append({**g, "params": list(g["params"])})
-            else:
-                groups[i]["params"] = _dedupe(groups[i]["params"] + g["params"])
-    return {"state": state, "param_groups": groups}
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when torch.distributed is not initialised: here
+    that is meant (one process, or a load where each process reads its own keys)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    saved: Mapping[str, Any],
-    named_params: Mapping[str, nn.Parameter],
-    keep: Collection[str] | None = None,
-) -> None:
-    """Load name-keyed optimizer state (from `optimizer_state`, any layout) into `optimizer`,
-    which must have the same number of param groups; each group takes the saved group's
-    hyper-parameters, each parameter (of `keep`, default all) its saved state."""
-    names = {id(p): k for k, p in named_params.items()}
-    rows = _names_in(optimizer, names)
-    saved_groups = saved["param_groups"]
-    if len(saved_groups) != len(rows):
-        raise ValueError(
-            f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one has "
-            f"{len(rows)}; build the optimizer with the same param groups as the saved run"
-        )
-    index = {k: i for i, k in enumerate(k for row in rows for k in row)}
-    groups, start = [], 0
-    for row, saved_group in zip(rows, saved_groups, strict=True):
-        hyper = {k: v for k, v in saved_group.items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + len(row)))})
-        start += len(row)
-    state = {
-        index[k]: v for k, v in saved["state"].items()
-        if k in index and (keep is None or k in keep)
-    }
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoint files
-# ---------------------------------------------------------------------------------------------
-
-
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
     """torch.save `obj` to `path` so that a crash at any moment leaves either the old file or
-    the new one: write a temp file in the same directory, fsync it, os.replace it over `path`,
-    fsync the directory. Temp files left by a killed writer are removed first."""
-    path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
-        os.unlink(stale)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    the new one: a temp file in the same directory, fsync, os.replace, directory fsync."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -295,17 +263,173 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(directory, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _checkpoint_root(path: str | os.PathLike[str]) -> Path:
+    root = Path(path).absolute()
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"checkpoint path {os.fspath(path)!r} is a file; a checkpoint is a directory "
+            "(sharded, one set of files per process): give a directory path"
+        )
+    return root
+
+
+def _live_version(root: Path) -> str | None:
+    pointer = root / _POINTER
+    if not pointer.is_file():
+        return None
+    return pointer.read_text().strip() or None
+
+
+def _prepare_version(root: Path) -> str:
+    """(Global rank 0) remove what a killed writer left, create the next version directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    live = _live_version(root)
+    numbers = [0]
+    for entry in root.iterdir():
+        match = _VERSION.fullmatch(entry.name)
+        if match:
+            numbers.append(int(match.group(1)))
+            if entry.name != live:
+                shutil.rmtree(entry)
+        elif entry.name.startswith(f".{_POINTER}.") and entry.name.endswith(".tmp"):
+            entry.unlink()
+    name = f"v-{max(numbers) + 1:06d}"
+    (root / name).mkdir()
+    return name
+
+
+def _commit(root: Path, name: str) -> None:
+    """(Global rank 0) make `name` the live version, then delete the older ones."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{_POINTER}.", suffix=".tmp", dir=root)
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        with os.fdopen(fd, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / _POINTER)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(root)
+    for entry in root.iterdir():
+        if _VERSION.fullmatch(entry.name) and entry.name != name:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
-def _spec_to_json(spec: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
-    return {
-        k: [list(shape), str(dtype).removeprefix("torch.")] for k, (shape, dtype) in spec.items()
-    }
+# ---------------------------------------------------------------------------------------------
+# What checkpoints can hold, and a full disk
+# ---------------------------------------------------------------------------------------------
+
+
+def _loads_back(value: Any) -> bool:
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:
+        return False
+    return True
+
+
+def _first_unloadable(value: Any, where: str) -> tuple[str, Any]:
+    """The path and value of the first leaf of `value` that does not load back."""
+    if isinstance(value, Mapping):
+        items: Iterable[tuple[str, Any]] = ((f"{where}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple, set)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return where, value
+    for path, item in items:
+        if not _loads_back(item):
+            return _first_unloadable(item, path)
+    return where, value
+
+
+def check_extra(extra: Any) -> None:
+    """TypeError (naming the value and the fix) unless `extra` loads back from a checkpoint,
+    which is read with ``torch.load(weights_only=True)``: numbers, strings, bytes, None,
+    lists, tuples, sets, dicts, tensors, dtypes (and types allowed with
+    ``torch.serialization.add_safe_globals``)."""
+    if _loads_back(extra):
+        return
+    where, value = _first_unloadable(extra, "extra")
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    raise TypeError(
+        f"{where} is a {name} ({_short_repr(value)}), which a checkpoint cannot load back (it "
+        "is read with torch.load(weights_only=True)); convert it to plain data first: "
+        "float(x) / int(x) for numpy scalars, torch.from_numpy(a) or a.tolist() for arrays "
+        "(np.random.get_state() holds one), str(path) for a Path, vars(namespace) for an "
+        "argparse Namespace, dataclasses.asdict(obj) for a dataclass; or allow the type with "
+        "torch.serialization.add_safe_globals([...])"
+    )
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _nbytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _no_space(err: BaseException, seen: set[int] | None = None) -> bool:
+    """Whether `err` (or what caused it, or a DCP rank failure inside it) is a full disk."""
+    seen = set() if seen is None else seen
+    if id(err) in seen:
+        return False
+    seen.add(id(err))
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(err) or "unexpected pos" in str(err):
+        return True  # torch's writers report a short write as "enforce fail ... unexpected pos"
+    inner = [e for e in (err.__cause__, err.__context__) if e is not None]
+    if isinstance(err, CheckpointException):
+        inner += [exc for exc, _ in err.failures.values()]
+    return any(_no_space(e, seen) for e in inner)
+
+
+def _disk_full(root: Path, need: int) -> OSError:
+    free = shutil.disk_usage(root).free
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the device of checkpoint {os.fspath(root)!r}: this process writes "
+        f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. Free space or save "
+        "elsewhere; the previous checkpoint is untouched",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------------------------
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    names = {id(p): k for k, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not one of this pipeline's; build "
+                    "it over pipe.parameters()"
+                )
+    return names
+
+
+def _held_names(stage_modules: Mapping[int, nn.Module]) -> set[str]:
+    return {k for m in stage_modules.values() for k, _ in m.named_parameters()}
+
+
+def _of_params(flat: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """The entries ``state.<name>.*`` and ``param_groups.<name>.*`` of a flattened optimizer
+    state dict for the parameters `names`."""
+    prefixes = tuple(f"{kind}.{n}." for n in names for kind in ("state", "param_groups"))
+    return {k: v for k, v in flat.items() if k.startswith(prefixes)}
 
 
 def save_checkpoint(
@@ -315,68 +439,210 @@ def save_checkpoint(
     ctx: DistContext | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    named_params: Mapping[str, nn.Parameter] | None = None,
+    model: nn.Module | None = None,
     extra: Any = None,
 ) -> None:
-    """Write model (+ optimizer) state to one file at `path`, atomically, from global rank 0.
-    Every process must call it; it returns once the file is in place (all ranks wait).
-    `named_params` names every parameter the optimizer may hold (default: the stages').
-    `extra` is plain data (numbers, strings, lists, dicts, tensors): files are read back with
-    ``torch.load(weights_only=True)``."""
-    model = gather_state_dict(stage_modules, spec, ctx)
-    opt_parts: list[dict[str, Any]] | None = None
+    """Write this process's model (+ optimizer) state into the checkpoint directory `path`
+    (see the module docstring), atomically. Every process must call it; it returns once the
+    new version is live (all ranks wait). `model` names the optimizer's parameters. `extra`
+    must load back with ``torch.load(weights_only=True)`` (`check_extra`, at once). A full
+    disk is an OSError(ENOSPC) saying so; the previous checkpoint stays live."""
+    check_extra(extra)
+    root = _checkpoint_root(path)
+    tensors: dict[str, Tensor] = {
+        f"model.{k}": v.detach() for k, v in local_state(stage_modules).items() if k in spec
+    }
+    values: dict[str, Any] = {}
+    optimizer_info = None
     if optimizer is not None:
-        named = named_params if named_params is not None else _stage_params(stage_modules)
-        mine = _stage_params(stage_modules)
-        opt_parts = _gather_to_rank0(optimizer_state(optimizer, named, keep=mine), ctx)
-    # Under torch.distributed a failed write (disk full...) must stop the other ranks too.
+        if model is None:
+            raise TypeError("saving optimizer state needs model= (to name its parameters)")
+        names = _param_names(model, optimizer)
+        held = _held_names(stage_modules)
+        flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        # Only the held stages' parameters: an optimizer built before the plan was made also
+        # holds the (emptied) parameters of other processes' stages, with stale state.
+        for key, value in _of_params(flat, held).items():
+            if isinstance(value, Tensor):
+                tensors[f"optim.{key}"] = value.detach()
+            else:
+                values[f"optim.{key}"] = value
+        for i, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if names[id(p)] in held:
+                    values[f"optim.group.{names[id(p)]}"] = i
+        optimizer_info = {"type": _qualname(optimizer), "groups": len(optimizer.param_groups)}
+    need = _nbytes(tensors)
     with ctx.guard("checkpoint save") if ctx is not None else nullcontext():
-        if model is not None:
-            layout = (
-                {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
-                if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
-            )
-            atomic_save(
-                {
-                    "format": FORMAT,
-                    "version": VERSION,
-                    "spec": _spec_to_json(spec),
-                    "model": model,
-                    "optimizer": (
-                        None if opt_parts is None else _merge_optimizer_states(opt_parts)
-                    ),
+        name = _agree(_prepare_version(root) if _is_rank0(ctx) else None, ctx)
+        parts = _gather_to_rank0(values, ctx)
+        version = root / name
+        try:
+            if shutil.disk_usage(root).free < need:
+                raise _disk_full(root, need)
+            with _single_process_quiet():
+                dcp.save(tensors, storage_writer=FileSystemWriter(version), no_dist=ctx is None)
+            if parts is not None:  # global rank 0
+                merged = {k: v for part in parts for k, v in part.items()}
+                layout = (
+                    {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
+                    if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
+                )
+                meta = {
+                    "format": FORMAT, "version": VERSION, "spec": _spec_to_json(spec),
+                    "layout": layout, "optimizer": optimizer_info, "values": merged,
                     "extra": extra,
-                    "layout": layout,
-                },
-                path,
-            )
+                }
+                atomic_save(meta, version / _META)
+                _commit(root, name)
+        except BaseException as err:
+            if _is_rank0(ctx):
+                shutil.rmtree(version, ignore_errors=True)
+            if _no_space(err):
+                raise _disk_full(root, need) from err
+            raise
         if ctx is not None:
             done = torch.zeros(1, device=ctx.device)
             ctx.wait_work(dist.all_reduce(done, async_op=True), None, "the end of the save")
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Open a checkpoint file (memory-mapped) and check it is one of ours."""
-    if not os.path.exists(path):
+def _spec_to_json(spec: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
+    return {
+        k: [list(shape), str(dtype).removeprefix("torch.")] for k, (shape, dtype) in spec.items()
+    }
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """The live version directory of checkpoint `path` and its ``hybridpipe.pt``, checked."""
+    root = Path(path)
+    if not root.exists():
         raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r}")
+    live = _live_version(root) if root.is_dir() else None
+    if live is None or not (root / live / _META).is_file():
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a hybridpipe checkpoint (no {_POINTER!r} naming a "
+            f"saved version); give a directory written by save_checkpoint, or for a plain "
+            "state dict file use pipe.load_state_dict(torch.load(path))"
+        )
     try:
-        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        meta = torch.load(root / live / _META, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ValueError(
-            f"{os.fspath(path)!r} is not a readable hybridpipe checkpoint ({err}); give a file "
-            "written by save_checkpoint"
+            f"{os.fspath(path)!r} is not a readable hybridpipe checkpoint ({err}); give a "
+            "directory written by save_checkpoint"
         ) from err
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(
-            f"{os.fspath(path)!r} is not a hybridpipe checkpoint (no format tag {FORMAT!r}); "
-            "for a plain state dict use pipe.load_state_dict(torch.load(path))"
+            f"{os.fspath(path)!r} is not a hybridpipe checkpoint (no format tag {FORMAT!r})"
         )
-    if data.get("version") != VERSION:
+    if meta.get("version") != VERSION:
         raise ValueError(
-            f"{os.fspath(path)!r} has checkpoint version {data.get('version')}; this hybridpipe "
+            f"{os.fspath(path)!r} has checkpoint version {meta.get('version')}; this hybridpipe "
             f"reads version {VERSION}"
         )
-    return data
+    return root / live, meta
+
+
+def _check_model(source: str, meta: Mapping[str, Any], spec: Mapping[str, TensorSpec]) -> None:
+    saved_spec = {k: tuple(v[0]) for k, v in meta["spec"].items()}
+    ours = {k: s for k, (s, _) in spec.items()}
+    if saved_spec == ours:
+        return
+    missing = [k for k in ours if k not in saved_spec]
+    unexpected = [k for k in saved_spec if k not in ours]
+    shapes = [f"{k}: {saved_spec[k]} vs {ours[k]}" for k in ours
+              if k in saved_spec and saved_spec[k] != ours[k]]
+    parts = [
+        f"{what} ({len(keys)}): {text}"
+        for what, keys, text in (
+            ("keys only in this model", missing, _short(missing)),
+            ("keys only in the checkpoint", unexpected, _short(unexpected)),
+            ("shapes (checkpoint vs model)", shapes, "; ".join(shapes[:20])),
+        )
+        if keys
+    ]
+    raise ValueError(
+        f"{source} was saved from a different model: " + " | ".join(parts)
+        + ". Load it into the model it was saved from"
+    )
+
+
+def _optimizer_plan(
+    source: str, meta: Mapping[str, Any], stored: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], held: set[str],
+) -> tuple[list[str], dict[str, Any]]:
+    """Check the checkpoint's optimizer against `optimizer`; the DCP keys of its tensors for
+    the `held` parameters and its flat non-tensor values (keys without ``optim.``)."""
+    info = meta["optimizer"]
+    if info is None:
+        raise ValueError(
+            f"{source} has no optimizer state; save it with save_checkpoint(path, "
+            "optimizer=...) or load without optimizer"
+        )
+    if info["type"] != _qualname(optimizer):
+        raise ValueError(
+            f"{source} holds the state of a {info['type']}, but the optimizer given is a "
+            f"{_qualname(optimizer)}; build the same optimizer type as the saved run (or load "
+            "without optimizer= and start the optimizer afresh)"
+        )
+    if info["groups"] != len(optimizer.param_groups):
+        raise ValueError(
+            f"{source}'s optimizer has {info['groups']} param groups, this one has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same param groups as "
+            "the saved run"
+        )
+    values: dict[str, Any] = meta["values"]
+    wrong = []
+    tensor_keys: list[str] = []
+    flat: dict[str, Any] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            name = names[id(p)]
+            if name not in held:
+                continue
+            saved = values.get(f"optim.group.{name}")
+            if saved != i:
+                wrong.append(f"{name} (group {i} here, "
+                             f"{'absent' if saved is None else f'group {saved}'} there)")
+                continue
+            for prefix in (f"optim.state.{name}.", f"optim.param_groups.{name}."):
+                tensor_keys += [k for k in stored if k.startswith(prefix)]
+                flat.update({k[len("optim."):]: v for k, v in values.items()
+                             if k.startswith(prefix)})
+    if wrong:
+        raise ValueError(
+            f"{source}'s optimizer groups its parameters differently ({len(wrong)}): "
+            + "; ".join(wrong[:10]) + ". Build the optimizer with the same param groups, in the "
+            "same order, as the saved run"
+        )
+    return tensor_keys, flat
+
+
+def _nested(
+    flat: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+    held: set[str],
+) -> dict[str, Any]:
+    """The FQN-keyed (unflattened) optimizer state dict from flattened keys ``state.<fqn>.<k>``
+    and ``param_groups.<fqn>.<hyper>``. torch's own unflattening only restores the state keys
+    the target optimizer already has, so a checkpoint's momentum buffers would not reach an
+    SGD built with momentum=0 (its hyper-parameters come from the checkpoint too). Only the
+    `held` parameters get state; a group without any keeps its own hyper-parameters."""
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        fqns = [names[id(p)] for p in group["params"]]
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        loaded = [f for f in fqns if f in held]
+        if loaded:
+            prefix = f"param_groups.{loaded[0]}."
+            hyper = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+        groups.append({**hyper, "params": fqns})
+        for fqn in loaded:
+            prefix = f"state.{fqn}."
+            own = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+            if own:
+                state[fqn] = own
+    return {"state": state, "param_groups": groups}
 
 
 def load_checkpoint(
@@ -385,39 +651,52 @@ def load_checkpoint(
     spec: Mapping[str, TensorSpec],
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    named_params: Mapping[str, nn.Parameter] | None = None,
+    model: nn.Module | None = None,
 ) -> Any:
     """Load a checkpoint written by `save_checkpoint` at any layout into the stages held here
-    (and `optimizer`); returns the saved `extra`. A checkpoint of another model is a
-    ValueError listing the differing keys and shapes."""
-    data = read_checkpoint(path)
-    saved_spec = {k: tuple(v[0]) for k, v in data["spec"].items()}
-    ours = {k: s for k, (s, _) in spec.items()}
-    if saved_spec != ours:
-        missing = [k for k in ours if k not in saved_spec]
-        unexpected = [k for k in saved_spec if k not in ours]
-        shapes = [f"{k}: {saved_spec[k]} vs {ours[k]}" for k in ours
-                  if k in saved_spec and saved_spec[k] != ours[k]]
-        parts = [
-            f"{what} ({len(keys)}): {text}"
-            for what, keys, text in (
-                ("keys only in this model", missing, _short(missing)),
-                ("keys only in the checkpoint", unexpected, _short(unexpected)),
-                ("shapes (checkpoint vs model)", shapes, "; ".join(shapes[:20])),
-            )
-            if keys
-        ]
+    (and `optimizer`, whose parameters `model` names); returns the saved `extra`. Everything is
+    checked, and this process's tensors read, before the stages or the optimizer change: a
+    checkpoint of another model or optimizer is a ValueError and changes nothing. Under
+    torch.distributed every process must call it."""
+    version, meta = read_checkpoint(path)
+    source = f"checkpoint {os.fspath(path)!r}"
+    _check_model(source, meta, spec)
+    stored = FileSystemReader(version).read_metadata().state_dict_metadata
+    own = [k for k in local_state(stage_modules) if k in spec]
+    absent = [k for k in own if f"model.{k}" not in stored]
+    if absent:
         raise ValueError(
-            f"checkpoint {os.fspath(path)!r} was saved from a different model: "
-            + " | ".join(parts) + ". Load it into the model it was saved from"
+            f"{source} is incomplete: no tensors for {len(absent)} keys ({_short(absent)}); "
+            "it was not written by save_checkpoint, or was damaged"
         )
-    load_state_dict(stage_modules, data["model"], spec, source=f"checkpoint {os.fspath(path)!r}")
+    keys = [f"model.{k}" for k in own]
+    flat: dict[str, Any] = {}
     if optimizer is not None:
-        if data["optimizer"] is None:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r} has no optimizer state; save it with "
-                "save_checkpoint(path, optimizer=...) or load without optimizer"
-            )
-        named = named_params if named_params is not None else _stage_params(stage_modules)
-        load_optimizer_state(optimizer, data["optimizer"], named, keep=_stage_params(stage_modules))
-    return data["extra"]
+        if model is None:
+            raise TypeError("loading optimizer state needs model= (to name its parameters)")
+        opt_keys, flat = _optimizer_plan(
+            source, meta, stored, optimizer, _param_names(model, optimizer),
+            _held_names(stage_modules),
+        )
+        keys += opt_keys
+    buffers: dict[str, Any] = {}
+    for key in keys:
+        item = stored[key]
+        if not isinstance(item, TensorStorageMetadata):
+            raise ValueError(f"{source} holds {key!r} as bytes, not a tensor; it was damaged")
+        buffers[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    if buffers:
+        # Reading needs no coordination: each process reads its own keys (no_dist).
+        with _single_process_quiet():
+            dcp.load(buffers, storage_reader=FileSystemReader(version), no_dist=True)
+    # Everything is checked and read: change the optimizer, then the stages.
+    if optimizer is not None and model is not None:
+        flat.update({k[len("optim."):]: v for k, v in buffers.items() if k.startswith("optim.")})
+        set_optimizer_state_dict(
+            model, optimizer,
+            _nested(flat, optimizer, _param_names(model, optimizer), _held_names(stage_modules)),
+            options=_NESTED,
+        )
+    state = {k[len("model."):]: v for k, v in buffers.items() if k.startswith("model.")}
+    load_state_dict(stage_modules, state, spec, strict=False, source=source)
+    return meta["extra"]
