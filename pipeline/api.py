@@ -6,8 +6,10 @@ and distributed difference lives in the executor."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -18,9 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from partitioner import Plan, StageModule
+from partitioner import Plan, StageModule, split_model
 from pipeline import checkpoint
 from pipeline.autoplan import AutoPlan
+from pipeline.calibration import (
+    Calibration,
+    Rebalance,
+    calibrate,
+    calibrated_costs,
+    measured_node_costs,
+    propose_rebalance,
+)
 from pipeline.costs import StageCosts, costs_for_stages, predict
 from pipeline.distributed import DistContext, DistributedExecutor
 from pipeline.executor import Executor
@@ -30,6 +40,8 @@ from pipeline.planner import Planned, Planner
 from pipeline.runtime import LossFn
 from pipeline.timeouts import resolve_timeout
 from scheduler import Schedule, Timeline, build_schedule
+
+log = logging.getLogger("hybridpipe")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -96,6 +108,10 @@ class Pipeline:
       $HYBRIDPIPE_TIMEOUT, else 120).
     - ``leaf_modules``: module classes fx keeps whole when capturing (see partitioner.capture).
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
+    - ``rebalance``: after the third step, re-partition once from the measured stage costs if
+      that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
+      Off by default: it changes the stages mid-run on a few noisy measurements, so it is the
+      user's call; ``pipe.rebalance()`` does it on demand.
 
     Under torchrun (torch.distributed initialised) the same call runs one pipeline rank per
     process with ``data_parallel`` (default world_size // stages) replicas; see
@@ -147,6 +163,7 @@ class Pipeline:
         data_parallel: int | None = None,
         timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None,
+        rebalance: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -180,6 +197,11 @@ class Pipeline:
         self._spec = checkpoint.model_spec(model)
         self._planned: Planned | None = None
         self._trace: Timeline | None = None
+        # Measured traces for calibration: the last few steps after the first (warm-up) one.
+        self._measured: collections.deque[Timeline] = collections.deque(maxlen=4)
+        self._steps = 0
+        self._auto_rebalance = rebalance
+        self.rebalanced: Rebalance | None = None
         if example_input is not None:
             self._setup(self._as_args(example_input))
 
@@ -271,6 +293,7 @@ class Pipeline:
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
         self._trace = result.trace
+        self._record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")
         return result.loss
@@ -342,26 +365,95 @@ class Pipeline:
         costs are those global rank 0 measured before the model was split."""
         return self._planner.costs(self._plan_made, self._executor.coordination)
 
-    def simulate(self, schedule: Schedule | str | None = None, comm: float = 0.0) -> Timeline:
-        """The predicted Timeline of one step (pipeline.costs.predict on `profiled_costs()`).
-        `schedule`: another Schedule or schedule name to predict on this model (default: the
-        one being run); for a different stage count the profiled graph is re-partitioned as
-        ``balance`` says. `comm`: latency added to each cross-rank transfer (seconds)."""
+    def simulate(
+        self, schedule: Schedule | str | None = None, comm: float | None = None,
+        calibrated: bool = True,
+    ) -> Timeline:
+        """The predicted Timeline of one step (pipeline.costs.predict). Costs are the
+        calibrated ones (`calibration`: measured action times, runtime overhead per action and
+        transfer latency) once steps have been measured and `calibrated`, else the profiled
+        ones. `schedule`: another Schedule or schedule name to predict on this model (default:
+        the one being run); for a different stage count the (calibrated) graph is
+        re-partitioned as ``balance`` says. `comm`: seconds per cross-rank transfer (default:
+        the calibrated latency, else 0)."""
         costs = self.profiled_costs()
+        calibration = self.calibration if calibrated else None
+        overhead, latency = 0.0, 0.0
+        graph = self._planned.graph if self._planned is not None else None
+        if calibration is not None:
+            costs = calibrated_costs(calibration, costs)
+            overhead, latency = calibration.overhead, calibration.latency
+            if graph is not None:
+                graph = measured_node_costs(graph, self.plan, costs)
+        if comm is not None:
+            latency = comm
         if schedule is None:
             schedule = self.schedule
         elif isinstance(schedule, str):
             schedule = build_schedule(schedule, self.stages, self.schedule.num_microbatches)
         if schedule.num_stages != costs.num_stages:
-            if not self._executor.coordination.keeps_whole_model:
+            if not self._executor.coordination.keeps_whole_model or graph is None:
                 raise ValueError(
                     f"schedule {schedule.name!r} has {schedule.num_stages} stages and this "
                     f"plan {costs.num_stages}; under torch.distributed only the plan's stage "
                     "count can be simulated"
                 )
             balance = self.balance if isinstance(self.balance, str) else "profile"
-            costs = costs_for_stages(self.graph, schedule.num_stages, balance)
-        return predict(schedule, costs, latency=comm)
+            costs = costs_for_stages(graph, schedule.num_stages, balance)
+        return predict(schedule, costs, latency=latency, overhead=overhead)
+
+    def _record(self, trace: Timeline) -> None:
+        """Keep a complete step trace for calibration (not the first, warm-up step's), and
+        re-balance once when asked to and two traces are in."""
+        self._steps += 1
+        schedule = self.schedule
+        ops = 3 if schedule.splits_backward else 2
+        complete = len(trace.events) == ops * schedule.num_stages * schedule.num_microbatches
+        if self._steps > 1 and complete:
+            self._measured.append(trace)
+        if self._auto_rebalance and self.rebalanced is None and len(self._measured) >= 2:
+            self.rebalance()
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """Measured costs from the recorded step traces (pipeline.calibration), or None before
+        the second step (the first is warm-up)."""
+        if not self._measured:
+            return None
+        return calibrate(self.schedule, list(self._measured))
+
+    def rebalance(self, threshold: float = 0.05) -> Rebalance:
+        """Re-partition from the measured costs when that cuts the calibrated predicted step
+        by more than `threshold` (the stage modules are rebuilt; they share the model's
+        parameters, so an optimizer over ``pipe.parameters()`` keeps working). Returns and
+        logs the Rebalance report (also kept as ``pipe.rebalanced``). One process only: under
+        torch.distributed the other processes no longer hold the weights a new cut needs."""
+        calibration = self.calibration
+        if calibration is None:
+            raise ValueError("rebalance needs measured steps: run at least two steps first")
+        if not self._executor.coordination.keeps_whole_model:
+            raise ValueError(
+                "rebalance works in one process: under torch.distributed each process holds "
+                "only its stages' weights; pass balance=[...] with the sizes it reports instead"
+            )
+        planned = self._plan_made
+        report, plan = propose_rebalance(
+            planned.graph, planned.plan, planned.schedule, calibration, self.profiled_costs(),
+            threshold,
+        )
+        if report.applied:
+            new = Planned(
+                planned.model, planned.schedule, plan, planned.graph, planned.example,
+                split_model(planned.graph, plan), None,
+            )
+            self._executor.load(
+                new, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
+            )
+            self._planned = new
+            self._measured.clear()  # the old traces describe the old stages
+        self.rebalanced = report
+        log.info("hybridpipe: %s", report)
+        return report
 
     # -- module-like helpers ----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ source text, and write pictures, a Chrome trace and a short report to an output 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.api import Pipeline
+from pipeline.autoplan import AutoPlan, search
+from pipeline.calibration import Check, held_out_check
 from pipeline.models import GPT, TransformerBlock
 from pipeline.textdata import TokenBatches, stdlib_corpus
 from scheduler import SCHEDULES, Timeline, build_schedule
@@ -67,6 +70,39 @@ def compare_schedules(pipe: Pipeline, microbatches: int) -> list[Timeline]:
             continue
         timelines.append(pipe.simulate(schedule))
     return timelines
+
+
+def check_schedules(
+    model: torch.nn.Module, example: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+    config: DemoConfig,
+) -> list[Check]:
+    """`held_out_check` of every schedule on a copy of `model` (the trained one is untouched)."""
+    checks = []
+    for name in SCHEDULES:
+        try:
+            build_schedule(name, config.stages, config.microbatches)
+        except ValueError:
+            continue
+        pipe = Pipeline(
+            copy.deepcopy(model), config.stages, schedule=name,
+            microbatches=config.microbatches, loss_fn=lm_loss, example_input=example,
+            leaf_modules=(TransformerBlock,),
+        )
+        check = held_out_check(pipe, x, y, calibration_steps=2, measured_steps=3)
+        if check is not None:
+            checks.append(check)
+    return checks
+
+
+def _check_table(checks: list[Check]) -> str:
+    rows = [f"  {'schedule':<18}{'measured ms':>12}{'profiled ms':>12}{'error':>8}"
+            f"{'calibrated ms':>15}{'error':>8}"]
+    for c in checks:
+        rows.append(
+            f"  {c.schedule:<18}{1e3 * c.measured:>12.1f}{1e3 * c.profiled:>12.1f}"
+            f"{c.profiled_error:>+8.1%}{1e3 * c.calibrated:>15.1f}{c.calibrated_error:>+8.1%}"
+        )
+    return "\n".join(rows)
 
 
 def _table(timelines: list[Timeline]) -> str:
@@ -153,8 +189,21 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
     measured = pipe.trace
     if measured is None:
         raise RuntimeError("the pipeline recorded no trace")
-    predicted = pipe.simulate()
-    _say("6. write pictures, trace and report")
+    predicted = pipe.simulate()  # calibrated on the last steps' traces
+    profiled = pipe.simulate(calibrated=False)
+
+    _say("6. check the cost model on every schedule: predicted (profiled, calibrated on 2 steps)"
+         " vs measured (median of 3 held-out steps)")
+    x, y = batches.next()
+    checks = check_schedules(model, x0, x, y, config)
+    _say(_check_table(checks))
+    _say("7. plan 8 devices for this model (hybridpipe plan): ranked by predicted step")
+    planned = search(
+        pipe.graph, world_size=8, batch_size=8 * config.batch_size,
+        profiled_batch=config.batch_size // config.microbatches,
+    )
+    _say(planned.table(8))
+    _say("8. write pictures, trace and report")
     plot_timeline(
         measured, out / "timeline_measured.png", unit="s", title=f"measured: {pipe.schedule.name}"
     )
@@ -176,11 +225,13 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
         "step_time_s": median_step,
         "trace_step_time_s": measured.step_time,
         "predicted_step_time_s": predicted.step_time,
+        "predicted_profiled_step_time_s": profiled.step_time,
+        "worst_calibrated_error": max((abs(c.calibrated_error) for c in checks), default=0.0),
         "measured_bubble": measured.bubble_fraction,
         "predicted_bubble": predicted.bubble_fraction,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "report.md").write_text(_report(config, pipe, simulated, summary))
+    (out / "report.md").write_text(_report(config, pipe, simulated, summary, checks, planned))
     return summary
 
 
@@ -197,7 +248,8 @@ def _evaluate(pipe: Pipeline, batches: TokenBatches, count: int = 4) -> float:
 
 
 def _report(
-    config: DemoConfig, pipe: Pipeline, simulated: list[Timeline], s: dict[str, float]
+    config: DemoConfig, pipe: Pipeline, simulated: list[Timeline], s: dict[str, float],
+    checks: list[Check], planned: AutoPlan,
 ) -> str:
     return "\n".join(
         [
@@ -221,6 +273,21 @@ def _report(
             _table(simulated),
             "```",
             "",
+            "## The cost model per schedule: predicted vs measured",
+            "",
+            "Calibrated on 2 steps' traces (pipeline.calibration), measured = median of the 3 "
+            "held-out steps after them; error = predicted / measured - 1.",
+            "",
+            "```",
+            _check_table(checks),
+            "```",
+            "",
+            "## Plan for 8 devices (`hybridpipe plan`)",
+            "",
+            "```",
+            planned.table(8),
+            "```",
+            "",
             "## Training",
             "",
             "| figure | value |",
@@ -231,7 +298,9 @@ def _report(
             f" {s['held_out_after']:.3f} |",
             f"| median step time (incl. optimizer) | {1e3 * s['step_time_s']:.1f} ms |",
             f"| last step, measured (trace) | {1e3 * s['trace_step_time_s']:.1f} ms |",
-            f"| last step, predicted (simulator) | {1e3 * s['predicted_step_time_s']:.1f} ms |",
+            f"| last step, predicted (calibrated / profiled) | "
+            f"{1e3 * s['predicted_step_time_s']:.1f} / "
+            f"{1e3 * s['predicted_profiled_step_time_s']:.1f} ms |",
             f"| bubble measured / predicted | {s['measured_bubble']:.1%} /"
             f" {s['predicted_bubble']:.1%} |",
             "",
@@ -252,7 +321,8 @@ def run_main(out: str = "out", config: DemoConfig = DemoConfig()) -> int:
         f"summary: loss {s['loss_first']:.3f} -> {s['loss_last']:.3f} (held-out "
         f"{s['held_out_before']:.3f} -> {s['held_out_after']:.3f}); step "
         f"{1e3 * s['trace_step_time_s']:.1f} ms measured vs {1e3 * s['predicted_step_time_s']:.1f}"
-        f" ms predicted; demo took {time.perf_counter() - started:.0f} s"
+        f" ms predicted (calibrated); worst per-schedule calibrated error "
+        f"{s['worst_calibrated_error']:.1%}; demo took {time.perf_counter() - started:.0f} s"
     )
     return 0
 

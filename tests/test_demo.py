@@ -36,6 +36,9 @@ def test_demo_writes_every_file_and_loss_falls(tmp_path: Path) -> None:
     assert len(complete) == 2 * 4 * 2
     report = (tmp_path / "report.md").read_text()
     assert "Plan (profile)" in report and "zbv" in report
+    # Every schedule's predicted vs measured (with the error), and the plan table.
+    assert report.count("%") >= 2 * 7 and "dualpipev" in report
+    assert "## Plan for 8 devices" in report and summary["worst_calibrated_error"] >= 0
 
 
 def test_demo_cli_runs_a_one_step_demo(tmp_path: Path) -> None:

@@ -1,0 +1,107 @@
+"""Calibration from measured traces and re-balancing from measured costs: exact on
+constructed traces, and end to end on a Pipeline whose stages are far out of balance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from partitioner import capture, partition
+from pipeline import Pipeline
+from pipeline.calibration import calibrate, calibrated_costs, propose_rebalance
+from pipeline.costs import predict, stage_costs
+from pipeline.models import ResidualMLP, mlp_stack
+from scheduler import Op, Timeline, build_schedule, simulate
+
+
+def measured_like(schedule_name: str, compute: list[float], o: float, latency: float) -> Timeline:
+    """A trace as the runtime records it: each action computes `compute[stage]` (B and W of a
+    split backward: half each), then the rank spends `o` before its next action, and a tensor
+    reaches another rank `latency` after that."""
+    s = build_schedule(schedule_name, 2, 4)
+    f = [c + o for c in compute]
+    b = [c / (2 if s.splits_backward else 1) + o for c in compute]
+    w = [c / 2 + o for c in compute] if s.splits_backward else 0.0
+    t = simulate(s, f, b, w, latency)
+    events = tuple(dataclasses.replace(e, end=e.end - o) for e in t.events)
+    return Timeline(events, t.num_ranks, t.splits_backward, t.name)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_calibration_recovers_compute_overhead_and_latency(name: str) -> None:
+    trace = measured_like(name, [3.0, 5.0], o=0.25, latency=1.5)
+    schedule = build_schedule(name, 2, 4)
+    cal = calibrate(schedule, [trace, trace])
+    assert cal.forward == pytest.approx([3.0, 5.0])
+    half = 2 if schedule.splits_backward else 1
+    assert cal.backward == pytest.approx([3.0 / half, 5.0 / half])
+    assert cal.overhead == pytest.approx(0.25) and cal.latency == pytest.approx(1.5)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    graph = capture(model, (torch.randn(1, 2),))
+    for v in graph.graph["order"]:
+        graph.nodes[v].update(forward_time=1.0, backward_time=2.0, input_grad_time=1.0,
+                              weight_grad_time=1.0)
+    profiled = stage_costs(graph, partition(graph, 2, "uniform"))
+    costs = calibrated_costs(cal, profiled)
+    predicted = predict(schedule, costs, latency=cal.latency, overhead=cal.overhead)
+    # The prediction ends with the last action's overhead, which the trace does not show.
+    assert predicted.step_time == pytest.approx(trace.step_time + 0.25)
+    if not schedule.splits_backward:  # an unsplit backward is divided as the profile says
+        assert costs.input_grad == pytest.approx([1.5, 2.5])
+
+
+def test_rebalance_proposal_follows_the_measured_costs() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
+    graph = capture(model, (torch.randn(1, 2),))
+    for v in graph.graph["order"]:
+        graph.nodes[v].update(forward_time=1.0, backward_time=2.0, input_grad_time=1.0,
+                              weight_grad_time=1.0)
+    plan = partition(graph, 2, "uniform")
+    schedule = build_schedule("1f1b", 2, 4)
+    trace = measured_like("1f1b", [9.0, 3.0], o=0.0, latency=0.0)  # stage 0 is 3x slower
+    cal = calibrate(schedule, [trace])
+    report, new = propose_rebalance(graph, plan, schedule, cal, stage_costs(graph, plan))
+    # Per node F+B measured: 6 on stage 0, 2 on stage 1, so [2, 4] is 12 | 6 + 6 = 12.
+    assert report.applied and report.before == [3, 3] and new.sizes == [2, 4]
+    assert report.gain > 0.05 and "applied" in str(report)
+    kept, _ = propose_rebalance(graph, plan, schedule, cal, stage_costs(graph, plan), 0.99)
+    assert not kept.applied and "kept the plan" in str(kept)
+
+
+def test_pipeline_calibrates_and_rebalances_a_lopsided_plan() -> None:
+    torch.manual_seed(0)
+    model = mlp_stack(blocks=8, dim=16).double()
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    pipe = Pipeline(model, 2, microbatches=4, loss_fn=F.mse_loss, balance=[1, 8],
+                    leaf_modules=(ResidualMLP,), rebalance=True, example_input=x)
+    profiled = pipe.simulate()
+    assert pipe.calibration is None  # nothing measured yet
+    for _ in range(3):
+        pipe.step(x, y)
+    report = pipe.rebalanced
+    assert report is not None and report.applied, report
+    assert report.before == [1, 8] and pipe.plan.sizes == report.after != [1, 8]
+    assert pipe.calibration is None  # the old stages' traces were dropped
+    pipe.step(x, y)
+    pipe.step(x, y)
+    calibrated = pipe.simulate()
+    assert pipe.calibration is not None and pipe.calibration.steps == 2
+    assert calibrated.events != profiled.events
+    assert pipe.simulate(calibrated=False).step_time == pytest.approx(
+        predict(pipe.schedule, pipe.profiled_costs()).step_time
+    )
+    # Still exact after the re-partition: the stages share the model's parameters.
+    model.zero_grad()
+    loss = pipe.step(x, y)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = F.mse_loss(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-10, rtol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-10, rtol=0)
+    assert {e.op for e in calibrated.events} == {Op.F, Op.B}
