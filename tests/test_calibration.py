@@ -74,9 +74,11 @@ def test_rebalance_proposal_follows_the_measured_costs() -> None:
 
 def test_pipeline_calibrates_and_rebalances_a_lopsided_plan() -> None:
     torch.manual_seed(0)
-    model = mlp_stack(blocks=8, dim=16).double()
-    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
-    pipe = Pipeline(model, 2, microbatches=4, loss_fn=F.mse_loss, balance=[1, 8],
+    # Enough compute per block (milliseconds) that the measured imbalance, not the runtime's
+    # per-action overhead, sets the step.
+    model = mlp_stack(blocks=16, dim=128).double()
+    x, y = torch.randn(64, 128, dtype=torch.float64), torch.randn(64, 128, dtype=torch.float64)
+    pipe = Pipeline(model, 2, microbatches=4, loss_fn=F.mse_loss, balance=[1, 16],
                     leaf_modules=(ResidualMLP,), rebalance=True, example_input=x)
     profiled = pipe.simulate()
     assert pipe.calibration is None  # nothing measured yet
@@ -84,7 +86,7 @@ def test_pipeline_calibrates_and_rebalances_a_lopsided_plan() -> None:
         pipe.step(x, y)
     report = pipe.rebalanced
     assert report is not None and report.applied, report
-    assert report.before == [1, 8] and pipe.plan.sizes == report.after != [1, 8]
+    assert report.before == [1, 16] and pipe.plan.sizes == report.after != [1, 16]
     assert pipe.calibration is None  # the old stages' traces were dropped
     pipe.step(x, y)
     pipe.step(x, y)
