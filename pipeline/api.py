@@ -38,6 +38,7 @@ from pipeline.local import LocalExecutor, resolve_devices
 from pipeline.microbatch import Batch
 from pipeline.planner import Planned, Planner
 from pipeline.runtime import LossFn
+from pipeline.settings import pipeline_settings
 from pipeline.timeouts import resolve_timeout
 from scheduler import Schedule, Timeline, build_schedule
 
@@ -187,13 +188,21 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.checkpoint_activations = checkpoint_activations
         self.timeout = resolve_timeout(timeout)
-        self._planner = Planner(
-            model, self.stages, schedule=schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
-            memory_limit=memory_limit,
-        )
         self._executor = _executor_for(self.stages, devices, data_parallel, self.timeout)
         self.devices = self._executor.devices
+        with self._executor.setting_up():
+            self._planner = Planner(
+                model, self.stages, schedule=schedule, microbatches=microbatches,
+                virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
+                memory_limit=memory_limit,
+            )
+        # Every process must build the same Pipeline (checked under torch.distributed).
+        ctx = self._executor.context
+        self._executor.coordination.agree("the settings check", settings=pipeline_settings(
+            stages=self.stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
+            schedule=schedule, built=self._planner.schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, loss_fn=loss_fn, model=model,
+        ))
         self._spec = checkpoint.model_spec(model)
         self._planned: Planned | None = None
         self._trace: Timeline | None = None

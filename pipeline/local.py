@@ -20,7 +20,7 @@ from torch import Tensor
 from partitioner import StageModule
 from pipeline import streams
 from pipeline.executor import Executor
-from pipeline.planner import Coordination
+from pipeline.planner import Coordination, decide_alone
 from pipeline.runtime import CancelToken, PipelineAborted, RankResult, RankRuntime, StepResult
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
@@ -180,7 +180,7 @@ class LocalExecutor(Executor):
         self.devices = list(devices)
         self.timeout = timeout
         self.coordination = Coordination(
-            leads=True, agree=lambda value: value, device=self.devices[0], keeps_whole_model=True
+            leads=True, agree=decide_alone, device=self.devices[0], keeps_whole_model=True
         )
         self.abort = CancelToken()
         self.mailboxes = [_Mailbox() for _ in self.devices]

@@ -4,18 +4,20 @@ microbatch. `Planner.make` returns a `Planned` for an executor to place and run.
 
 In one process the planner decides alone. Under torch.distributed the executor's
 `Coordination` makes global rank 0 decide (microbatch count, example, plan, costs) and every
-other process follow (`agree`), so that all processes split the model the same way; a hook
-that checks the processes' settings agree at setup belongs in `Coordination.agree`'s caller
-here (`Planner.make`), before any work."""
+other process follow (`agree`), so that all processes split the model the same way; each
+`agree` also checks that every process has the same settings (pipeline.settings), and each
+piece of planning runs as a `phase` that the other processes hear about if it fails
+(pipeline.distributed.agreement)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import networkx as nx
 import torch
@@ -24,22 +26,41 @@ from partitioner import Plan, StageModule, capture, partition, profile, split_mo
 from pipeline.autoplan import AutoPlan, search
 from pipeline.costs import StageCosts, stage_costs
 from pipeline.microbatch import batch_size, split_microbatches
+from pipeline.settings import Settings, input_settings, schedule_setting
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
 
 
+class Agree(Protocol):
+    """The leader's `value` on every process, once every process's `settings` match; `what`
+    names the point of setup in messages."""
+
+    def __call__(self, what: str, value: Any = None, settings: Settings | None = None) -> Any: ...
+
+
+def decide_alone(what: str, value: Any = None, settings: Settings | None = None) -> Any:
+    """`Agree` for one process: its own value."""
+    return value
+
+
+def _no_phase(what: str) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
 @dataclass(frozen=True)
 class Coordination:
     """How the processes of a job make one plan. `leads`: this process decides (always in one
-    process; global rank 0 under torch.distributed). `agree(value)`: the leader's value on
-    every process. `device`: where profiling runs. `keeps_whole_model`: False when the
-    executor frees the stages other processes hold (then costs cannot be profiled later)."""
+    process; global rank 0 under torch.distributed). `agree`: see `Agree`. `device`: where
+    profiling runs. `keeps_whole_model`: False when the executor frees the stages other
+    processes hold (then costs cannot be profiled later). `phase(what)`: the context a piece
+    of planning runs in (under torch.distributed its failure reaches the other processes)."""
 
     leads: bool
-    agree: Callable[[Any], Any]
+    agree: Agree
     device: torch.device
     keeps_whole_model: bool
+    phase: Callable[[str], AbstractContextManager[None]] = _no_phase
 
 
 @dataclass
@@ -180,41 +201,49 @@ class Planner:
             example = tuple(split_microbatches(args, m, "inputs")[0])
             choice = None
             if self.auto:
-                captured = capture(self.model, example, leaf_modules=self.leaf_modules)
-                profile(captured, self.model, example, device=how.device)
-                choice = self._choose(captured, size, batch_size(example, "inputs"))
+                with how.phase("auto-planning (capture and profiling of the model)"):
+                    captured = capture(self.model, example, leaf_modules=self.leaf_modules)
+                    profile(captured, self.model, example, device=how.device)
+                    choice = self._choose(captured, size, batch_size(example, "inputs"))
                 if choice[1] == m:
                     profiled = (captured, example)  # reuse: same microbatch
                 else:
                     m = choice[1]
                     example = tuple(split_microbatches(args, m, "inputs")[0])
             offer = (m, example, choice)
-        m, example, choice = how.agree(offer)
-        if choice is not None:
-            name, _, v = choice
-            self.microbatches, self.virtual_stages, self.schedule_spec = m, v, name
-            self.schedule = self._build(m)
-            log.info("hybridpipe: auto-planned schedule=%s microbatches=%d virtual_stages=%d",
-                     name, m, v)
-        if self.microbatches is None:
-            self.microbatches = m
-            log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
-        if self.schedule is None:
-            self.schedule = self._build(m)
-        schedule = self.schedule
-        if profiled is not None:
-            graph = profiled[0]
-        else:
-            graph = capture(self.model, example, leaf_modules=self.leaf_modules)
+        m, example, choice = how.agree("the first batch", offer, input_settings(args))
+        with how.phase("capture of the model"):
+            if choice is not None:
+                name, _, v = choice
+                self.microbatches, self.virtual_stages, self.schedule_spec = m, v, name
+                self.schedule = self._build(m)
+                log.info("hybridpipe: auto-planned schedule=%s microbatches=%d virtual_stages=%d",
+                         name, m, v)
+            if self.microbatches is None:
+                self.microbatches = m
+                log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
+            if self.schedule is None:
+                self.schedule = self._build(m)
+            schedule = self.schedule
+            if profiled is not None:
+                graph = profiled[0]
+            else:
+                graph = capture(self.model, example, leaf_modules=self.leaf_modules)
         plan = costs = None
         if how.leads:
             if self.balance == "profile" and profiled is None:
-                profile(graph, self.model, example, device=how.device)
-            plan = partition(graph, schedule.num_stages, self.balance)
-            # Costs are measured by the leader while it still holds the whole model.
-            costs = stage_costs(graph, plan) if self.balance == "profile" else None
-        plan, costs = how.agree((plan, costs))
-        return Planned(self.model, schedule, plan, graph, example, split_model(graph, plan), costs)
+                with how.phase("profiling of the model"):
+                    profile(graph, self.model, example, device=how.device)
+            with how.phase("partitioning of the model"):
+                plan = partition(graph, schedule.num_stages, self.balance)
+                # Costs are measured by the leader while it still holds the whole model.
+                costs = stage_costs(graph, plan) if self.balance == "profile" else None
+        plan, costs = how.agree(
+            "the plan", (plan, costs), {"schedule text": schedule_setting(schedule)}
+        )
+        with how.phase("split of the model"):
+            modules = split_model(graph, plan)
+        return Planned(self.model, schedule, plan, graph, example, modules, costs)
 
     def _choose(self, graph: nx.DiGraph, size: int, profiled_batch: int) -> tuple[str, int, int]:
         """(schedule, microbatches, virtual stages): the fastest predicted within the memory

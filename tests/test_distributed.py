@@ -45,10 +45,12 @@ class Ended:
 
 
 def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
-           deadline: float = 150.0, hangs: int | None = None) -> list[Ended]:
-    """Run `worker` on `world` processes like torchrun does and wait for all of them; a process
-    still alive at `deadline` seconds is killed and fails the test (nothing is left behind),
-    except rank `hangs` (a deliberately hung rank), which is killed once the others ended."""
+           deadline: float = 150.0, hangs: int | None = None,
+           script: str = __file__) -> list[Ended]:
+    """Run `worker` of `script` (this file by default) on `world` processes like torchrun does
+    and wait for all of them; a process still alive at `deadline` seconds is killed and fails
+    the test (nothing is left behind), except rank `hangs` (a deliberately hung rank), which is
+    killed once the others ended."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world, True,
@@ -64,7 +66,7 @@ def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
         log = open(out / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, worker, str(out)], env=env, stdout=log,
+            [sys.executable, script, worker, str(out)], env=env, stdout=log,
             stderr=subprocess.STDOUT, cwd=ROOT,
         ))
     end = time.monotonic() + deadline

@@ -1,9 +1,11 @@
 """The distributed executor: one process per pipeline rank over torch.distributed (launched by
 torchrun), with data-parallel replicas of the whole pipeline on top. Modules by job:
 `topology` (the (dp, pp) DeviceMesh and this process's place in it), `failure` (timeouts,
-failure reports, `RankFailure`), `context` (process groups + failure protocol = `DistContext`;
-`agree`), `p2p` (wire format and the point-to-point `Transport`), `gradsync` (replica gradient
-averaging) and `executor` (`DistributedExecutor`, which runs the shared `RankRuntime`).
+failure reports, `RankFailure`), `agreement` (setup over the c10d store: settings checked
+before any tensor moves, setup failures named; `SettingsMismatch`), `context` (process groups
++ failure protocol + agreement = `DistContext`; `agree` for checkpoints), `p2p` (wire format
+and the point-to-point `Transport`), `gradsync` (replica gradient averaging) and `executor`
+(`DistributedExecutor`, which runs the shared `RankRuntime`).
 
 Naming: a *rank* is a process; its *pipeline rank* is its "pp" coordinate (which stages it
 holds), its *replica* its "dp" coordinate. A *stage* is one contiguous piece of the model;
@@ -23,9 +25,17 @@ in the c10d store and tears its process group down, so its peers' waits fail at 
 other rank raises `RankFailure` naming it (and exits non-zero). A rank killed outright (SIGKILL,
 lost node) is named by whichever peer first sees its connection close; a rank that hangs is
 named by the peers whose waits on it time out. After a failure the process group is gone:
-restart the job (``torchrun --max-restarts``) from the last checkpoint. The one-off object
-collectives of setup and checkpoints (broadcast/gather of the plan and of state) are bounded
-by the process group's timeout: ``dist.init_process_group(..., timeout=timedelta(...))``.
+restart the job (``torchrun --max-restarts``) from the last checkpoint.
+
+Setup moves no tensor until every process has checked in through the c10d store with the same
+settings: stages, data_parallel, schedule and its text, microbatches, virtual stages, loss
+weighting, the model's parameter names and shapes, its first batch's structure and dtypes. A
+mismatch ends every process with one `SettingsMismatch` (a ValueError) naming each differing
+setting, its value on each rank and the fix; a process that raises, dies or hangs while
+building the Pipeline, capturing, profiling, partitioning or building its executor is named,
+with what it was doing, by every other process within the timeout (`RankFailure`). The one-off
+object collectives of checkpoints (gathers of state) are bounded by the process group's
+timeout: ``dist.init_process_group(..., timeout=timedelta(...))``.
 
 Launch. One node: ``torchrun --nproc-per-node 4 train.py``. Several nodes: run on every node
 ``torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500
@@ -38,6 +48,7 @@ pass None). Global rank 0 makes the plan (profiling, if asked) and the others fo
 with DDP, replicas start from replica 0's weights.
 """
 
+from pipeline.distributed.agreement import SettingsMismatch
 from pipeline.distributed.context import DistContext, agree
 from pipeline.distributed.executor import DistributedExecutor
 from pipeline.distributed.failure import RankFailure
@@ -55,6 +66,7 @@ __all__ = [
     "Layout",
     "P2PTransport",
     "RankFailure",
+    "SettingsMismatch",
     "agree",
     "make_layout",
     "resolve_timeout",

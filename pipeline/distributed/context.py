@@ -1,23 +1,24 @@
 """`DistContext`: one process's view of the job: the default process group (initialised from
 the torchrun environment if needed), the (dp, pp) DeviceMesh and its groups, this process's
-`Layout`, its device, the timeout and the failure protocol. Also `agree`, the one-off
-"global rank 0 decides" broadcast used while setting up."""
+`Layout`, its device, the timeout, the failure protocol and the setup `agreement`. Also
+`agree`, a one-off "global rank 0 decides" broadcast for collective work after setup
+(checkpoints)."""
 
 from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipeline.distributed.agreement import Agreement, portable
 from pipeline.distributed.failure import Failures
-from pipeline.distributed.topology import DIMS, Layout, check_world
+from pipeline.distributed.topology import DIMS, make_layout
 from pipeline.timeouts import resolve_timeout
 
 
@@ -26,7 +27,10 @@ class DistContext:
 
     `layout`: where it sits in the (dp, pp) mesh; `dp_group` its gradient group (the replicas
     of its pipeline rank), `pp_group` its pipeline; `device` cuda:LOCAL_RANK under NCCL, else
-    CPU; `guard` / `wait_work` the failure protocol (pipeline.distributed.failure)."""
+    CPU; `guard` / `wait_work` the failure protocol (pipeline.distributed.failure);
+    `agreement` the setup's sync points (pipeline.distributed.agreement). The process groups
+    are made on first use (the executor makes them once every process has checked in), so
+    that a peer that is gone is named by the setup checks, not by a hang in group creation."""
 
     def __init__(
         self,
@@ -40,7 +44,13 @@ class DistContext:
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout))
-        dp = check_world(stages, data_parallel, dist.get_world_size())
+        store = dist.distributed_c10d._get_default_store()
+        self.agreement = Agreement(store, dist.get_rank(), dist.get_world_size(), self.timeout)
+        with self.agreement.phase("construction of Pipeline(...)"):
+            self.layout = make_layout(
+                stages, data_parallel, world_size=dist.get_world_size(), rank=dist.get_rank()
+            )
+        self.agreement.describe = self.layout.describe
         if device is None:
             if dist.get_backend() == "nccl":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -49,14 +59,25 @@ class DistContext:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and object collectives use the current one
-        self.mesh: DeviceMesh = init_device_mesh(
-            self.device.type, (dp, stages), mesh_dim_names=DIMS
+        self.failures = Failures(store, self.layout, self.timeout, self.agreement.fail)
+
+    @cached_property
+    def mesh(self) -> DeviceMesh:
+        """The (dp, pp) DeviceMesh with its process groups (the same grid as `layout`)."""
+        return init_device_mesh(
+            self.device.type, (self.layout.data_parallel, self.layout.stages),
+            mesh_dim_names=DIMS,
         )
-        self.layout = Layout.of(self.mesh)
-        self.dp_group = self.mesh.get_group("dp")
-        self.pp_group = self.mesh.get_group("pp")
-        store = dist.distributed_c10d._get_default_store()
-        self.failures = Failures(store, self.layout, self.timeout)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """This process's gradient group: the replicas of its pipeline rank."""
+        return self.mesh.get_group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """This process's pipeline: the ranks of its replica."""
+        return self.mesh.get_group("pp")
 
     @property
     def wait(self) -> timedelta:
@@ -71,19 +92,11 @@ class DistContext:
         self.failures.wait_work(work, peer, what)
 
 
-def _portable(obj: Any) -> Any:
-    """Tensors moved to CPU (meta ones kept) so they pickle on every backend."""
-    return pytree.tree_map_only(
-        Tensor, lambda t: t if t.is_meta else t.detach().to("cpu"), obj
-    )
-
-
 def agree(obj: Any) -> Any:
-    """Global rank 0's `obj` on every rank (e.g. a Plan made from profiling, so that every
-    process splits the model the same way); tensors arrive on CPU. Bounded by the process
-    group's own timeout."""
+    """Global rank 0's `obj` on every rank; tensors arrive on CPU. Bounded by the process
+    group's own timeout (setup uses `DistContext.agreement` instead, which names failures)."""
     if not dist.is_initialized():
         return obj
-    box = [_portable(obj) if dist.get_rank() == 0 else None]
+    box = [portable(obj) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -5,8 +5,16 @@ the loss on every process and the pipeline's trace on global rank 0.
 
 Shapes. Tensor shapes and dtypes crossing ranks come from running the plan: at the first step
 (and whenever the batch's shapes change) each message is preceded by a small metadata message,
-cached under a key of the batch's shapes. Every step the first stage's rank sends that key (two
-integers) to the other ranks of its pipeline, so a new batch shape re-agrees instead of hanging.
+cached under a key of the batch's shapes. Every step the first stage's rank sends that key, the
+microbatch count, the call (step or forward) and its batch size (four integers) to the other
+ranks of its pipeline, so a new batch shape re-agrees instead of hanging, and a rank that made
+another call, or holds targets of another batch size, fails naming both values before any
+activation moves.
+
+Setup. Planning and `load` run as phases of the context's agreement
+(pipeline.distributed.agreement): no tensor moves before every process has checked in at "the
+start" with the same settings; only then are the process groups made and replica 0's weights
+copied to the other replicas.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from partitioner import StageModule
-from pipeline.distributed.context import DistContext, agree
+from pipeline.distributed.context import DistContext
 from pipeline.distributed.gradsync import GradSync, sync_replicas
 from pipeline.distributed.p2p import (
     LOSS_TAG,
@@ -33,6 +41,7 @@ from pipeline.distributed.p2p import (
     P2PTransport,
 )
 from pipeline.executor import Executor
+from pipeline.microbatch import batch_size
 from pipeline.planner import Coordination, Planned
 from pipeline.runtime import LossFn, RankRuntime, StepResult
 from scheduler import Event, MessageKey, Op, Timeline, forward_only, incoming, lower
@@ -47,6 +56,10 @@ class _Pending:
     peer: int | None
     what: str
     buffer: Tensor | None = None
+
+
+_MODES = ("train", "forward")
+_CALLS = {"train": "step(x, y)", "forward": "forward (pipe(x))"}
 
 
 def _shape_key(mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]]) -> int:
@@ -84,7 +97,8 @@ class DistributedExecutor(Executor):
         self.layout = ctx.layout
         self.devices = [ctx.device] * stages
         self.coordination = Coordination(
-            leads=self.layout.rank == 0, agree=agree, device=ctx.device, keeps_whole_model=False
+            leads=self.layout.rank == 0, agree=ctx.agreement.sync, device=ctx.device,
+            keeps_whole_model=False, phase=ctx.agreement.phase,
         )
         self.transport = P2PTransport(ctx, prefetch=prefetch)
         self.bucket_bytes = bucket_bytes
@@ -96,7 +110,7 @@ class DistributedExecutor(Executor):
     # -- set-up -----------------------------------------------------------------------------------
 
     def setting_up(self) -> AbstractContextManager[None]:
-        return self.context.guard("setup")
+        return self.context.agreement.phase("setup")
 
     def load(
         self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: bool
@@ -127,23 +141,26 @@ class DistributedExecutor(Executor):
         0's weights to the other replicas, and rebuild the runtime and gradient buckets."""
         if self.planned is None:
             return
-        for module in self._mine.values():
-            if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-                module.to(self.context.device)
-        self.grads = GradSync(
-            self.context, {s: list(m.parameters()) for s, m in self._mine.items()},
-            bucket_bytes=self.bucket_bytes,
-        )
-        self.runtime = RankRuntime(
-            self.layout.pp_rank,
-            self._schedule,
-            self._mine,
-            self.transport,
-            device=self.context.device,
-            loss_fn=self.loss_fn,
-            checkpoint_activations=self.checkpoint_activations,
-            on_stage_done=self.grads.start,
-        )
+        with self.context.agreement.phase("building of the executor"):
+            for module in self._mine.values():
+                if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                    module.to(self.context.device)
+            self.grads = GradSync(
+                self.context, {s: list(m.parameters()) for s, m in self._mine.items()},
+                bucket_bytes=self.bucket_bytes,
+            )
+            self.runtime = RankRuntime(
+                self.layout.pp_rank,
+                self._schedule,
+                self._mine,
+                self.transport,
+                device=self.context.device,
+                loss_fn=self.loss_fn,
+                checkpoint_activations=self.checkpoint_activations,
+                on_stage_done=self.grads.start,
+            )
+        self.context.agreement.sync("the start")  # every process is built: tensors may move
+        self.context.mesh  # noqa: B018 - the process groups, made in this order everywhere
         sync_replicas(self.context, list(self._mine.values()))
 
     def held(self) -> dict[int, StageModule]:
@@ -180,9 +197,12 @@ class DistributedExecutor(Executor):
         return self._incoming[(mode, count)]
 
     def _agree_key(
-        self, mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]] | None
+        self, mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]] | None,
+        targets: Sequence[Any] | None = None,
     ) -> tuple[int, int]:
-        """The first stage's rank tells its pipeline the batch-shape key and microbatch count."""
+        """The first stage's rank tells its pipeline the batch-shape key, the microbatch count,
+        the call and the batch size; the others check the call and their targets' batch size
+        against it (ValueError naming both values)."""
         first = self.layout.global_rank(self._schedule.placement[0])
         device = self.context.device
         if self.layout.rank == first:
@@ -191,20 +211,37 @@ class DistributedExecutor(Executor):
                     f"{self.layout.describe()} runs stage 0 and needs the batch; pass this "
                     "replica's inputs to step()/forward on this process"
                 )
-            sig = torch.tensor(
-                [_shape_key(mode, count, inputs), count], dtype=torch.int64, device=device
-            )
+            rows = sum(batch_size(mb, "inputs") for mb in inputs)
+            sig = torch.tensor([_shape_key(mode, count, inputs), count, _MODES.index(mode), rows],
+                               dtype=torch.int64, device=device)
             for p, r in enumerate(self.layout.pipeline_ranks()):
                 if r != first:  # completion is awaited with the step's other sends
                     self.transport.track(
                         dist.isend(sig, dst=r, tag=SIG_TAG), p, sig, "the batch-shape key"
                     )
             return int(sig[0]), count
-        sig = torch.empty(2, dtype=torch.int64, device=device)
+        sig = torch.empty(4, dtype=torch.int64, device=device)
         self.context.wait_work(
             dist.irecv(sig, src=first, tag=SIG_TAG), first, "the batch-shape key"
         )
-        return int(sig[0]), int(sig[1])
+        key, count, their_mode, rows = sig.tolist()
+        here, there = self.layout.describe(), f"{self.layout.describe(first)} (stage 0)"
+        if _MODES[their_mode] != mode:
+            raise ValueError(
+                f"the call differs within replica {self.layout.dp_rank}: {there} called "
+                f"{_CALLS[_MODES[their_mode]]} but {here} called {_CALLS[mode]}; every process "
+                "of a replica must make the same calls in the same order"
+            )
+        if targets is not None:
+            own = sum(batch_size(t, "targets") for t in targets)
+            if own != rows:
+                raise ValueError(
+                    f"the batch size differs within replica {self.layout.dp_rank}: {there} was "
+                    f"given inputs of {rows} samples but {here} (the last stage) targets of "
+                    f"{own}; give every process of a replica the same batch (targets row for "
+                    "row with the inputs)"
+                )
+        return key, count
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -217,7 +254,7 @@ class DistributedExecutor(Executor):
         schedule = self._schedule
         ctx = self.context
         with ctx.guard("training step"):
-            key, _ = self._agree_key("train", schedule.num_microbatches, inputs)
+            key, _ = self._agree_key("train", schedule.num_microbatches, inputs, targets)
             self.transport.begin(key, self._messages("train", schedule.num_microbatches))
             try:
                 total = torch.zeros((), dtype=torch.float64, device=ctx.device)

@@ -1,11 +1,13 @@
 """The failure protocol between processes: every wait is bounded by the timeout; a process
 that fails records the first failure of the job in the c10d store and tears its process
 group down, so that its peers' waits fail at once and each of them raises `RankFailure`
-naming the process that failed first (or the one that stopped answering)."""
+naming the process that failed first (or the one that stopped answering). During setup,
+before any tensor moved, the same reports travel through the store's sync points instead
+(pipeline.distributed.agreement)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -23,6 +25,16 @@ class RankFailure(RuntimeError):
     """Another rank failed (raised, was killed, or stopped answering); names it."""
 
 
+def raised_text(describe: str, err: BaseException, what: str) -> str:
+    """How a process's own failure is reported to the others (at setup and in steps)."""
+    return f"{describe} raised {type(err).__name__} during its {what}: {err}"
+
+
+def stopped_text(describe: str, what: str, cause: str) -> str:
+    """The message of the RankFailure a process raises for another one's failure."""
+    return f"{describe} stopped its {what} because {cause}"
+
+
 class CommError(RuntimeError):
     """A wait on another rank failed (connection closed, timed out); `peer` is its global
     rank, None for a collective (which does not say which member is gone)."""
@@ -33,14 +45,19 @@ class CommError(RuntimeError):
 
 
 class Failures:
-    """Reports and explains failures for this process (`layout`) through the c10d `store`."""
+    """Reports and explains failures for this process (`layout`) through the c10d `store`;
+    `on_report` hears every report (the setup agreement passes it to its sync points)."""
 
-    def __init__(self, store: dist.Store, layout: Layout, timeout: float) -> None:
+    def __init__(
+        self, store: dist.Store, layout: Layout, timeout: float,
+        on_report: Callable[[str], None] | None = None,
+    ) -> None:
         self.store = store
         self.layout = layout
         self.timeout = timeout
         self.wait = timedelta(seconds=timeout)
         self.broken: str | None = None
+        self.on_report = on_report
 
     def report(self, text: str) -> None:
         """Record the first failure of the job in the store (later reports are dropped)."""
@@ -49,6 +66,8 @@ class Failures:
                 self.store.set(_FAILED_TEXT, text)
         except RuntimeError:
             pass  # the store went down with the failed rank: peers fall back to their own view
+        if self.on_report is not None:
+            self.on_report(text)
 
     def cause(self) -> str | None:
         """The failure recorded in the store, if any (never blocks)."""
@@ -99,10 +118,8 @@ class Failures:
             if cause is not None:  # another rank failed first; this error follows from it
                 self.broken = cause
                 self.tear_down()
-                raise RankFailure(
-                    f"{self.layout.describe()} stopped its {what} because {cause}"
-                ) from err
-            text = f"{self.layout.describe()} raised {type(err).__name__}: {err}"
+                raise RankFailure(stopped_text(self.layout.describe(), what, cause)) from err
+            text = raised_text(self.layout.describe(), err, what)
             self.report(text)
             self.broken = text
             self.tear_down()

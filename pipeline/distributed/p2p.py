@@ -180,7 +180,6 @@ class P2PTransport:
         self, ctx: DistContext, *, prefetch: int = 2, send_thread: bool | None = None
     ) -> None:
         self.ctx = ctx
-        self.group = ctx.pp_group
         self.prefetch = prefetch
         self.me = ctx.layout.pp_rank
         self.send_thread = dist.get_backend() == "gloo" if send_thread is None else send_thread
@@ -192,6 +191,11 @@ class P2PTransport:
         self._posted: dict[MessageKey, tuple[int, list[Any], list[Tensor]]] = {}
         self._sends: list[_Pending] = []
         self._sender: _Sender | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """This pipeline's process group (made after setup: see DistContext)."""
+        return self.ctx.pp_group
 
     def begin(self, shape_key: int, incoming: Mapping[int, Sequence[MessageKey]]) -> None:
         """Start a step whose batch-shape key is `shape_key` (the same on every rank of the
