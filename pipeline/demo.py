@@ -197,10 +197,15 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
     x, y = batches.next()
     checks = check_schedules(model, x0, x, y, config)
     _say(_check_table(checks))
-    _say("7. plan 8 devices for this model (hybridpipe plan): ranked by predicted step")
+    # A cap under one device's weights + grads + Adam state forces a pipeline.
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    limit = 0.75 * 4 * param_bytes
+    _say(f"7. plan 8 devices for this model (hybridpipe plan), memory limit "
+         f"{limit / 2**20:.1f} MiB per device, all-reduce at 10 GB/s: ranked by predicted step")
     planned = search(
         pipe.graph, world_size=8, batch_size=8 * config.batch_size,
-        profiled_batch=config.batch_size // config.microbatches,
+        profiled_batch=config.batch_size // config.microbatches, memory_limit=limit,
+        dp_bandwidth=1e10,
     )
     _say(planned.table(8))
     _say("8. write pictures, trace and report")
