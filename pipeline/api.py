@@ -507,7 +507,9 @@ class Pipeline:
         """Load a whole-model state dict (e.g. ``model.state_dict()``, or ``torch.load(path,
         mmap=True)``) into the stages this process holds. Missing or unexpected keys (when
         `strict`) and shape mismatches raise ValueError listing them."""
-        checkpoint.load_state_dict(self._held(), state_dict, self._spec, strict=strict)
+        checkpoint.load_state_dict(
+            self._held(), state_dict, self._spec, strict=strict, model=self.module
+        )
         self._executor.reload()
 
     def save_checkpoint(

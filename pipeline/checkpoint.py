@@ -202,9 +202,11 @@ def load_state_dict(
     *,
     strict: bool = True,
     source: str = "state_dict",
+    model: nn.Module | None = None,
 ) -> None:
     """Load a whole-model state dict into the stages held here (any layout). Checks the keys
-    and shapes against the whole model first; meta tensors are replaced by the loaded ones."""
+    and shapes against the whole model first; meta tensors are replaced by the loaded ones,
+    in `model` too (the stages' own attribute copies would otherwise part from it)."""
     check_state_dict(state_dict, spec, strict=strict, source=source)
     for module in stage_modules.values():
         own = module.state_dict(keep_vars=True)
@@ -213,6 +215,23 @@ def load_state_dict(
         with torch.no_grad():
             # strict=False: the stage's own keys are a subset of the whole model's, checked above.
             module.load_state_dict(part, strict=False, assign=on_meta)
+        if on_meta and model is not None:
+            _share_with(model, module)
+
+
+def _share_with(model: nn.Module, stage: nn.Module) -> None:
+    """Put the stage's tensors into `model` where the model still has a meta tensor at the
+    same name (fx copies a directly referenced parameter into the stage's own container
+    module, so assigning it there leaves the model's meta one)."""
+    for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
+        path, _, attr = name.rpartition(".")
+        owner = model.get_submodule(path)
+        current = getattr(owner, attr, None)
+        if isinstance(current, Tensor) and current.is_meta and current is not tensor:
+            if isinstance(tensor, nn.Parameter):
+                owner._parameters[attr] = tensor
+            else:
+                owner._buffers[attr] = tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +429,8 @@ def _disk_full(root: Path, need: int) -> OSError:
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """id -> the model's name of every parameter (a tied one: its first name, everywhere);
+    ValueError if the optimizer holds another."""
     names = {id(p): k for k, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -421,8 +442,10 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int
     return names
 
 
-def _held_names(stage_modules: Mapping[int, nn.Module]) -> set[str]:
-    return {k for m in stage_modules.values() for k, _ in m.named_parameters()}
+def _held_names(stage_modules: Mapping[int, nn.Module], names: Mapping[int, str]) -> set[str]:
+    """The model's names of the parameters the held stages use (a tied weight held under its
+    second name, e.g. by the last stage, still goes by the model's first name)."""
+    return {names[id(p)] for m in stage_modules.values() for p in m.parameters() if id(p) in names}
 
 
 def _of_params(flat: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
@@ -458,7 +481,7 @@ def save_checkpoint(
         if model is None:
             raise TypeError("saving optimizer state needs model= (to name its parameters)")
         names = _param_names(model, optimizer)
-        held = _held_names(stage_modules)
+        held = _held_names(stage_modules, names)
         flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
         # Only the held stages' parameters: an optimizer built before the plan was made also
         # holds the (emptied) parameters of other processes' stages, with stale state.
@@ -671,12 +694,13 @@ def load_checkpoint(
         )
     keys = [f"model.{k}" for k in own]
     flat: dict[str, Any] = {}
+    names: dict[int, str] = {}
     if optimizer is not None:
         if model is None:
             raise TypeError("loading optimizer state needs model= (to name its parameters)")
+        names = _param_names(model, optimizer)
         opt_keys, flat = _optimizer_plan(
-            source, meta, stored, optimizer, _param_names(model, optimizer),
-            _held_names(stage_modules),
+            source, meta, stored, optimizer, names, _held_names(stage_modules, names)
         )
         keys += opt_keys
     buffers: dict[str, Any] = {}
@@ -694,9 +718,9 @@ def load_checkpoint(
         flat.update({k[len("optim."):]: v for k, v in buffers.items() if k.startswith("optim.")})
         set_optimizer_state_dict(
             model, optimizer,
-            _nested(flat, optimizer, _param_names(model, optimizer), _held_names(stage_modules)),
+            _nested(flat, optimizer, names, _held_names(stage_modules, names)),
             options=_NESTED,
         )
     state = {k[len("model."):]: v for k, v in buffers.items() if k.startswith("model.")}
-    load_state_dict(stage_modules, state, spec, strict=False, source=source)
+    load_state_dict(stage_modules, state, spec, strict=False, source=source, model=model)
     return meta["extra"]

@@ -281,6 +281,15 @@ def worker_schedules(out: Path) -> None:
     x, y = global_batch(9, BATCH)
     torch.testing.assert_close(meta.step(x, y).double(), lm_loss(c.ref(x), y).detach(),
                                atol=ATOL, rtol=0)
+    # Its optimizer state round-trips through a sharded checkpoint (the loaded tensors took the
+    # meta ones' place in the model too, so the optimizer's parameters have the model's names).
+    meta_opt = torch.optim.SGD(meta.parameters(), lr=0.0, momentum=0.9)
+    meta_opt.step()  # lr 0: momentum buffers, weights (shared with c.ref's, by assign) kept
+    meta.save_checkpoint(out / "meta-ckpt", optimizer=meta_opt)
+    again = torch.optim.SGD(meta.parameters(), lr=0.5)
+    meta.load_checkpoint(out / "meta-ckpt", optimizer=again)
+    for p in meta.parameters():
+        assert torch.equal(again.state[p]["momentum_buffer"], meta_opt.state[p]["momentum_buffer"])
     own = dict(c.pipe.named_parameters())
     assert own and len(own) < len(dict(c.pipe.module.named_parameters()))
     for k, p in c.pipe.module.named_parameters():  # other stages' parameters are freed

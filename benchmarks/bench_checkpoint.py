@@ -1,0 +1,208 @@
+"""Checkpoint save and load, gathered to rank 0 vs sharded (torch.distributed.checkpoint), for
+a model four times one rank's share: pp=4 gloo processes on CPU, each holding a quarter of a
+16-layer MLP (1536 x 1536 fp32 Linear layers, ~151 MB in all).
+
+- gather: ``sd = pipe.state_dict()`` (every stage's tensors pickled to global rank 0), rank 0
+  writes one file atomically (temp file, fsync, os.replace); load: every process
+  ``torch.load(file, mmap=True)`` and ``pipe.load_state_dict(sd)`` (its own keys).
+- sharded: ``pipe.save_checkpoint(dir)`` / ``pipe.load_checkpoint(dir)``: every process writes
+  and reads only its own stages' tensors.
+
+Per operation: wall time on rank 0 (barrier before and after) and the peak resident memory
+(RSS) above the level just before the operation, on rank 0 and the largest on the other ranks,
+sampled every millisecond from /proc/self/statm (glibc's mmap threshold is fixed, so freed
+tensor memory leaves RSS and each operation shows its own allocations). Rounds alternate the
+order of the two variants; medians over the rounds. Writes benchmarks/results/checkpoint.{md,json}.
+
+Run: .venv/bin/python benchmarks/bench_checkpoint.py   (it launches its own 4 processes)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+WORLD, LAYERS, DIM, ROUNDS = 4, 16, 1536, 5
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_during(op: Callable[[], None]) -> float:
+    """Peak RSS above the level before `op`, in MiB, sampled every millisecond."""
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)  # a sampling period, not synchronisation
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        op()
+    finally:
+        done.set()
+        sampler.join()
+    return max(0, max(peak[0], _rss()) - base) / 2**20
+
+
+def _worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+    from pipeline.checkpoint import atomic_save
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(LAYERS)])
+    pipe = Pipeline(model, stages=WORLD, microbatches=4, balance="parameters",
+                    example_input=torch.zeros(4, DIM))
+    share = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    whole = LAYERS * (DIM * DIM + DIM) * 4
+    single = out / "gathered.pt"
+
+    def gather_save() -> None:
+        sd = pipe.state_dict()
+        if sd is not None:
+            atomic_save(sd, single)
+
+    def gather_load() -> None:
+        pipe.load_state_dict(torch.load(single, mmap=True, weights_only=True))
+
+    ops: dict[str, Callable[[], None]] = {
+        "gather save": gather_save,
+        "sharded save": lambda: pipe.save_checkpoint(out / "sharded"),
+        "gather load": gather_load,
+        "sharded load": lambda: pipe.load_checkpoint(out / "sharded"),
+    }
+    rows: list[dict[str, Any]] = []
+    for r in range(ROUNDS):
+        order = ["gather", "sharded"] if r % 2 == 0 else ["sharded", "gather"]
+        for kind in ("save", "load"):
+            for variant in order:
+                name = f"{variant} {kind}"
+                dist.barrier()
+                start = time.perf_counter()
+                peak = _peak_during(ops[name])
+                dist.barrier()
+                seconds = time.perf_counter() - start
+                peaks: list[float] = [0.0] * WORLD
+                dist.all_gather_object(peaks, peak)
+                rows.append({"round": r, "op": name, "seconds": seconds, "peak_mib": peaks})
+    if rank == 0:
+        (out / "rows.json").write_text(json.dumps(
+            {"rows": rows, "model_bytes": whole, "rank0_share_bytes": share}
+        ))
+    dist.destroy_process_group()
+
+
+def _launch(out: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(out)], cwd=ROOT,
+            env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
+                     TORCHELASTIC_USE_AGENT_STORE="True", PYTHONPATH=str(ROOT),
+                     # A fixed mmap threshold: every tensor buffer is its own mapping, returned
+                     # to the OS when freed, so RSS shows each operation's own allocations.
+                     MALLOC_MMAP_THRESHOLD_="65536"),
+        )
+        for r in range(WORLD)
+    ]
+    codes = [p.wait(3600) for p in procs]
+    if any(codes):
+        raise SystemExit(f"a checkpoint benchmark worker failed (exits {codes})")
+    result: dict[str, Any] = json.loads((out / "rows.json").read_text())
+    return result
+
+
+def _summary(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name in ("gather save", "sharded save", "gather load", "sharded load"):
+        rows = [r for r in data["rows"] if r["op"] == name]
+        out[name] = {
+            "seconds": statistics.median(r["seconds"] for r in rows),
+            "rank0_peak_mib": statistics.median(r["peak_mib"][0] for r in rows),
+            "others_peak_mib": statistics.median(max(r["peak_mib"][1:]) for r in rows),
+        }
+    return out
+
+
+def _report(data: dict[str, Any], summary: dict[str, dict[str, float]]) -> str:
+    mib = 2**20
+    lines = [
+        "# Checkpoints: gathered to rank 0 vs sharded (torch.distributed.checkpoint)",
+        "",
+        f"pp={WORLD} gloo processes on CPU (1 thread each), {LAYERS}-layer MLP of {DIM} x {DIM} "
+        f"fp32 Linear layers: model {data['model_bytes'] / mib:.0f} MiB, rank 0 holds "
+        f"{data['rank0_share_bytes'] / mib:.0f} MiB. Medians of {ROUNDS} rounds (order "
+        "alternating); peak = resident memory above the level before the operation.",
+        "",
+        "| operation | seconds | rank 0 peak MiB | other ranks' peak MiB |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['seconds']:.2f} | {s['rank0_peak_mib']:.0f} | "
+                     f"{s['others_peak_mib']:.0f} |")
+    ratio = {kind: summary[f"gather {kind}"]["seconds"] / summary[f"sharded {kind}"]["seconds"]
+             for kind in ("save", "load")}
+    per_round = {
+        kind: [
+            next(r["seconds"] for r in data["rows"]
+                 if r["round"] == k and r["op"] == f"gather {kind}")
+            / next(r["seconds"] for r in data["rows"]
+                   if r["round"] == k and r["op"] == f"sharded {kind}")
+            for k in range(ROUNDS)
+        ]
+        for kind in ("save", "load")
+    }
+    lines += [
+        "",
+        f"Sharded vs gathered speed: save {ratio['save']:.2f}x (per round "
+        + ", ".join(f"{v:.2f}" for v in per_round["save"]) + f"), load {ratio['load']:.2f}x "
+        "(per round " + ", ".join(f"{v:.2f}" for v in per_round["load"]) + ").",
+        "",
+        "Command: `.venv/bin/python benchmarks/bench_checkpoint.py`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        _worker(Path(sys.argv[-1]))
+        return
+    RESULTS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _launch(Path(tmp))
+    summary = _summary(data)
+    report = _report(data, summary)
+    (RESULTS / "checkpoint.json").write_text(json.dumps({**data, "summary": summary}, indent=1))
+    (RESULTS / "checkpoint.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
