@@ -211,7 +211,7 @@ def _run_case(dim: int, micro: int, blocks: int, profile: bool) -> dict[str, Any
             "plan_sizes": pipe.plan.sizes,
         }
         if profile:
-            predicted = pipe.simulate()
+            predicted = pipe.simulate(calibrated=False)  # the profiled costs alone
             row["predicted_step_s"] = predicted.step_time
             row["measured_over_predicted"] = pipe_time / predicted.step_time
             row["predicted_bubble"] = predicted.bubble_fraction
