@@ -1,6 +1,6 @@
-"""partitioner: capture a model as a networkx graph (torch.fx), profile it node by node, split it
-into balanced pipeline stages (exact min-max over a topological order) and build the stage
-modules."""
+"""partitioner: capture a model as a networkx graph (torch.export, grouped by module; or
+torch.fx), profile it unit by unit, split it into balanced pipeline stages (exact min-max over a
+topological order) and build the stage modules."""
 
 from partitioner.capture import CaptureError, capture
 from partitioner.plan import Plan, partition

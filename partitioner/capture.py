@@ -1,11 +1,16 @@
-"""Capture a model as a networkx graph: trace it with torch.fx (or, for sequential models, take
-its top-level children in order), propagate shapes on the example input, and record per node the
-output shape/dtype/bytes and parameter bytes, per edge the bytes it moves."""
+"""Capture a model as a networkx graph of units: export it with torch.export (non-strict; the
+default) and group its aten nodes by module, or trace it with torch.fx (fallback, or for
+sequential models take its top-level children in order); propagate shapes on the example input
+and record per unit its output shape/dtype/bytes and parameter bytes, per edge the bytes it
+moves. Either way the graph's units are runs of nodes of one flat fx graph over the model's own
+parameters, which `split_model` cuts into stages."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import networkx as nx
@@ -13,6 +18,13 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from partitioner.exported import (
+    export_flat,
+    group_units,
+    is_symbolic,
+    non_persistent_buffers,
+    unit_module,
+)
 from partitioner.sandbox import sandbox
 
 # Blocks kept whole by default: repeated units whose insides are never worth cutting through.
@@ -20,8 +32,11 @@ DEFAULT_LEAF_NAMES = ("BasicBlock", "Bottleneck", "InvertedResidual", "EncoderBl
 DEFAULT_LEAF_SUFFIXES = ("Block", "Layer")
 
 
+METHODS = ("auto", "export", "fx")
+
+
 class CaptureError(ValueError):
-    """torch.fx could not trace the model and it is not sequential."""
+    """Neither torch.export nor torch.fx could capture the model (and it is not sequential)."""
 
 
 def is_default_leaf(module: nn.Module) -> bool:
@@ -132,24 +147,75 @@ class _Recorder(fx.Interpreter):
         return result
 
 
-def _module_path(n: fx.Node) -> str | None:
-    if n.op in ("call_module", "get_attr"):
-        return str(n.target)
-    stack = n.meta.get("nn_module_stack")
-    if stack:
-        return str(list(stack.values())[-1][0])
-    return None
+def _unit_bases(
+    model: nn.Module, units: list[tuple[str, list[str]]], front: str, rule: Any
+) -> list[str]:
+    """Names for the units (unit_module makes them unique): fx units keep their node's name;
+    an exported unit of a leaf module, or of several ops of one module, is named after the
+    module's path (dots as underscores, as fx names call_module nodes); a single op keeps
+    its node's name (as fx would name it)."""
+    bases = []
+    for key, members in units:
+        whole = False
+        if front == "export" and key:
+            try:
+                whole = len(members) > 1 or rule(model.get_submodule(key.split("@")[0]))
+            except AttributeError:
+                whole = len(members) > 1
+        bases.append(key.replace(".", "_").replace("@", "_") if whole else members[0])
+    return bases
 
 
-def _param_bytes(gm: fx.GraphModule, n: fx.Node) -> int:
-    if n.op == "call_module":
-        sub = gm.get_submodule(str(n.target))
-        return sum(p.numel() * p.element_size() for p in sub.parameters())
-    if n.op == "get_attr":
-        attr = _fetch(gm, str(n.target))
-        if isinstance(attr, nn.Parameter):
-            return attr.numel() * attr.element_size()
-    return 0
+def _fx_units(gm: fx.GraphModule) -> list[tuple[str, list[str]]]:
+    """fx nodes are units of their own (get_attr nodes are re-read where used)."""
+    units = []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        path = str(n.target) if n.op == "call_module" else None
+        if path is None and n.meta.get("nn_module_stack"):
+            path = str(list(n.meta["nn_module_stack"].values())[-1][0])
+        units.append((path or "", [n.name]))
+    return units
+
+
+def _bind_kwargs(gm: fx.GraphModule, nargs: int, kwargs: dict[str, Any]) -> None:
+    """Reorder a traced graph's placeholders to the flat order of (args, kwargs): the
+    positional ones, then the given keywords in their order, then the rest (defaults)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_name = {str(n.target): n for n in placeholders}
+    unknown = [k for k in kwargs if k not in by_name]
+    if unknown:
+        raise ValueError(
+            f"input keys {unknown} are not arguments of the model's forward "
+            f"{list(by_name)}; use its argument names as keys"
+        )
+    given = placeholders[:nargs] + [by_name[k] for k in kwargs]
+    if any(n in placeholders[:nargs] for n in given[nargs:]):
+        raise ValueError(f"input keys {sorted(kwargs)} repeat positional arguments")
+    order = given + [n for n in placeholders if n not in given]
+    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for n in order:
+        anchor.prepend(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _unit_params(gm: fx.GraphModule, nodes: dict[str, fx.Node], members: list[str]) -> int:
+    """Bytes of the distinct parameters a unit's nodes read (directly or in submodules)."""
+    seen: dict[int, int] = {}
+    for name in members:
+        n = nodes[name]
+        found: list[Any] = []
+        if n.op == "call_module":
+            found = list(gm.get_submodule(str(n.target)).parameters())
+        for arg in n.all_input_nodes:
+            if arg.op == "get_attr":
+                found.append(_fetch(gm, str(arg.target)))
+        for p in found:
+            if isinstance(p, nn.Parameter):
+                seen[id(p)] = p.numel() * p.element_size()
+    return sum(seen.values())
 
 
 def _fetch(root: nn.Module, target: str) -> Any:
@@ -167,23 +233,56 @@ def _target_name(n: fx.Node) -> str:
     return getattr(n.target, "__qualname__", None) or str(n.target)
 
 
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models return a KV cache when config.use_cache is set: training needs
+    none, and torch.export cannot return one, so capture runs with it off."""
+    config: Any = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+def _first_lines(exc: BaseException, limit: int = 600) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
     *,
     leaf_modules: tuple[type, ...] | None = None,
     sequential: bool = False,
+    method: str = "auto",
 ) -> nx.DiGraph:
-    """Capture `model` as a DiGraph of its fx nodes in execution order.
+    """Capture `model` called as ``model(*example_inputs, **example_kwargs)`` as a DiGraph of
+    units in execution order.
 
-    Placeholders and the output node are not graph nodes (stage 0 takes the model's inputs,
-    the last stage returns its output); their names are in graph.graph["inputs"] and
-    graph.graph["output"]. graph.graph["module"] is the traced GraphModule, or the model itself
-    for the sequential fallback; graph.graph["graph_module"] is always the fx form that
-    `split_model` cuts. Node attrs: name, op, target, module, shape, dtype, bytes, tensor (output
-    is a single tensor), param_bytes, index (position in the order). Edge attr: bytes.
-    leaf_modules: module classes fx keeps whole (called, not traced into); None means the
-    default rule of `is_default_leaf`, a tuple replaces it (torch.nn's modules stay leaves).
+    method "export" exports it with torch.export (non-strict, every input dim dynamic where
+    the model allows) and groups the aten nodes into units by module: the ops of one leaf
+    module call (see `is_default_leaf`, or `leaf_modules`) form a unit, and so does each run of
+    other ops of one module. "fx" traces it with torch.fx (one unit per fx node, leaf modules
+    called whole, their Python run as written). "auto" (default) tries export, then fx (fx
+    first when `leaf_modules` is given), and raises CaptureError naming each failure.
+    `sequential=True` (or an nn.Sequential nothing else captures) takes the top-level
+    children as a chain.
+
+    The graph's units are runs of nodes of one flat fx graph, graph.graph["graph_module"], that
+    reads the model's own parameters and buffers (tied ones under each name); `split_model`
+    cuts it. Placeholders and the output are not units; their names are in graph.graph
+    ["inputs"] (the flat leaves of (args, kwargs), structure graph.graph["in_spec"]) and
+    graph.graph["output"]. Unit attrs: name, op (call_module for a module's unit, as fx's for
+    its nodes), target (the module's path, as fx's call_module, or the first op), module
+    (path), members (flat node names), shape, dtype, bytes and tensor (of the values it hands
+    on; shape/dtype of the last), param_bytes, index (position in the order). Edge attr:
+    bytes. graph.graph["unit_module"] runs unit by unit (for the profiler).
     The example run happens in a sandbox: parameters, buffers, .training and RNG are unchanged.
     """
     if not isinstance(model, nn.Module):
@@ -193,62 +292,298 @@ def capture(
             f"example_inputs must be a tuple of the model's forward arguments, got "
             f"{type(example_inputs).__name__}; wrap a single input as (x,)"
         )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(
+            f"example_kwargs must be a dict of keyword arguments, got "
+            f"{type(example_kwargs).__name__}"
+        )
     if leaf_modules is not None and not all(isinstance(t, type) for t in leaf_modules):
         raise TypeError(f"leaf_modules must be a tuple of module classes, got {leaf_modules!r}")
+    if method not in METHODS:
+        raise ValueError(f"unknown capture method {method!r}; use one of {', '.join(METHODS)}")
+    kwargs = dict(example_kwargs or {})
+    _check_keywords(model, kwargs)
+    in_spec = tree_flatten((example_inputs, kwargs))[1]
+    ranges: dict[Any, tuple[int, float]] = {}
+    non_persistent = non_persistent_buffers(model)
+    gm: fx.GraphModule | None = None
+    units: list[tuple[str, list[str]]] = []
+    rule = is_default_leaf if leaf_modules is None else _leaf_rule(leaf_modules)
+    front = "sequential"
     if sequential:
         gm = _sequential_graph_module(model)
-        module: nn.Module = model
+        fronts: list[str] = []
+    elif method == "auto":
+        # Explicit leaf modules are fx's idea (called whole, their Python run as written).
+        fronts = ["export", "fx"] if leaf_modules is None else ["fx", "export"]
     else:
+        fronts = [method]
+    failures: list[str] = []
+    for front in fronts:
         try:
-            gm = _trace(model, leaf_modules)
-            module = gm
-        except CaptureError:
-            if not isinstance(model, nn.Sequential):
-                raise
-            gm = _sequential_graph_module(model)
-            module = model
-
+            if front == "export":
+                with _no_cache(model):
+                    exported = export_flat(model, example_inputs, kwargs)
+                gm, in_spec, ranges = exported.gm, exported.in_spec, exported.ranges
+                non_persistent = exported.non_persistent
+                units = group_units(gm, model, rule)
+            else:
+                gm = _trace(model, leaf_modules)
+            break
+        except CaptureError as exc:
+            failures.append(str(exc))
+        except Exception as exc:  # export raises many kinds
+            failures.append(
+                f"torch.export could not capture {type(model).__name__}: {_first_lines(exc)}"
+            )
+    if gm is None:
+        if not isinstance(model, nn.Sequential):
+            hint = " Try method='fx'." if fronts == ["export"] else ""
+            raise CaptureError("; then ".join(failures) + hint)
+        gm, front = _sequential_graph_module(model), "sequential"
+    if front != "export":
+        if kwargs and front == "sequential":
+            raise ValueError("a sequential model takes one positional input, not keywords")
+        _bind_kwargs(gm, len(example_inputs), kwargs)
+        units = _fx_units(gm)
+    flat = tree_flatten((example_inputs, kwargs))[0]
     recorder = _Recorder(gm)
     with sandbox(model), torch.no_grad():
-        recorder.run(*example_inputs)
+        recorder.run(*flat)
+    bases = _unit_bases(model, units, front, rule)
+    return _build(model, gm, units, bases, recorder.meta, front, in_spec, ranges, non_persistent)
 
-    graph = nx.DiGraph()
-    order: list[str] = []
-    inputs: list[str] = []
-    output: fx.Node | None = None
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            inputs.append(n.name)
-            continue
-        if n.op == "output":
-            output = n
-            continue
-        meta = recorder.meta[n.name]
-        graph.add_node(
-            n.name,
-            name=n.name,
-            op=n.op,
-            target=_target_name(n),
-            module=_module_path(n),
-            param_bytes=_param_bytes(gm, n),
-            index=len(order),
-            **meta,
+
+def _check_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL]
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise ValueError(
+            f"input keys {unknown} are not arguments of {type(model).__name__}.forward "
+            f"{names}; use its argument names as keys"
         )
-        order.append(n.name)
-    for n in gm.graph.nodes:
-        if n.name not in graph:
-            continue
-        for user in n.users:
-            if user.name in graph:
-                graph.add_edge(n.name, user.name, bytes=recorder.meta[n.name]["bytes"])
-    if not order:
+
+
+def call_structure(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The (args, kwargs) a batch stands for: a tensor is the one positional argument, a
+    tuple/list the positional arguments, a dict the keyword arguments (e.g. input_ids,
+    attention_mask)."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, tuple | list):
+        return tuple(batch), {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    raise TypeError(
+        f"inputs must be a tensor, a tuple/list (positional arguments) or a dict (keyword "
+        f"arguments) of tensors, got {type(batch).__name__}"
+    )
+
+
+def aliases(model: nn.Module) -> dict[str, list[str]]:
+    """For every parameter or buffer known under several names (tied weights), name ->
+    all its names in the model."""
+    names: dict[int, list[str]] = {}
+    for name, t in (
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ):
+        names.setdefault(id(t), []).append(name)
+    return {n: group for group in names.values() if len(group) > 1 for n in group}
+
+
+def _leaf_rule(leaf_modules: tuple[type, ...]) -> Any:
+    # An explicit tuple replaces the name rule: torch.nn's own modules plus these types.
+    def rule(m: nn.Module) -> bool:
+        return isinstance(m, leaf_modules) or (
+            type(m).__module__.startswith(("torch.nn", "torch.ao.nn"))
+            and not isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict)
+        )
+
+    return rule
+
+
+def _build(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    units: list[tuple[str, list[str]]],
+    bases: list[str],
+    meta: dict[str, dict[str, Any]],
+    front: str,
+    in_spec: Any,
+    ranges: dict[Any, tuple[int, float]],
+    non_persistent: set[str],
+) -> nx.DiGraph:
+    if not units:
         raise ValueError(f"{type(model).__name__} has no operations to partition")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    units_gm, names = unit_module(gm, units, bases)
+    unit_of = {m: i for i, (_, members) in enumerate(units) for m in members}
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    # Symbolic sizes are re-derived in each stage, never sent (see exported.SymLookup).
+    recompute = {n.name for n in gm.graph.nodes if is_symbolic(n)}
+    graph = nx.DiGraph()
+    for i, (key, members) in enumerate(units):
+        handed = [
+            m
+            for m in members
+            if any(
+                u.op == "output" or (u.name in unit_of and unit_of[u.name] != i)
+                for u in nodes[m].users
+            )
+        ]
+        last = meta[(handed or members)[-1]]
+        single = members[0] if front != "export" else None
+        target = _target_name(nodes[members[0]]) if single or not key else key
+        op = nodes[single].op if single else ("call_module" if key else "call_function")
+        graph.add_node(
+            names[i],
+            name=names[i],
+            op=op,
+            target=target,
+            module=key or None,
+            members=list(members),
+            shape=last["shape"],
+            dtype=last["dtype"],
+            bytes=sum(meta[m]["bytes"] for m in handed),
+            tensor=all(meta[m]["tensor"] for m in handed),
+            param_bytes=_unit_params(gm, nodes, members),
+            index=i,
+        )
+    for i, (_, members) in enumerate(units):
+        for m in members:
+            for user in nodes[m].users:
+                j = unit_of.get(user.name)
+                if j is not None and j != i:
+                    edge = graph.edges.get((names[i], names[j]))
+                    size = meta[m]["bytes"] + (edge["bytes"] if edge else 0)
+                    graph.add_edge(names[i], names[j], bytes=size)
     graph.graph.update(
-        module=module,
+        module=model,
         graph_module=gm,
+        unit_module=units_gm,
+        front=front,
         inputs=inputs,
-        input_meta={name: recorder.meta[name] for name in inputs},
-        output=output.name if output is not None else None,
-        order=order,
+        input_meta={name: meta[name] for name in inputs},
+        value_meta={name: {"bytes": v["bytes"], "tensor": v["tensor"]} for name, v in meta.items()},
+        unit_of=unit_of,
+        recompute=recompute,
+        output=output.name,
+        order=names,
+        in_spec=in_spec,
+        input_dims=_input_dims(gm),
+        ranges=ranges,
+        non_persistent=non_persistent,
+        aliases=aliases(model),
+        training=_modes(model) if front == "export" and _mode_sensitive(gm) else None,
     )
     return graph
+
+
+def _modes(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(m.training for m in model.modules())
+
+
+def _mode_sensitive(gm: fx.GraphModule) -> bool:
+    """Whether the exported graph holds ops whose train/eval behaviour it baked in: dropout
+    with p > 0, batch or instance norm."""
+    for n in gm.graph.nodes:
+        name = str(n.target)
+        if "dropout" in name and not (len(n.args) > 1 and n.args[1] == 0):
+            return True
+        if "batch_norm" in name or "instance_norm" in name:
+            return True
+    return False
+
+
+def check_mode(graph: nx.DiGraph) -> None:
+    """ValueError when the model's train/eval mode changed since an export capture that baked
+    it in (dropout, BatchNorm), instead of silently running the old mode."""
+    captured = graph.graph.get("training")
+    model = graph.graph["module"]
+    if captured is not None and _modes(model) != captured:
+        was = "train" if captured[0] else "eval"
+        raise ValueError(
+            f"{type(model).__name__} was captured in {was} mode and torch.export baked that "
+            f"mode into its dropout/normalisation ops, but its modules' modes changed since; "
+            f"build a Pipeline for each mode (e.g. one after model.eval()), or pass "
+            f"capture_method='fx'"
+        )
+
+
+def _input_dims(gm: fx.GraphModule) -> list[tuple[Any, ...] | None]:
+    """Per flat input: its dims as ints (static) or sympy expressions (dynamic); None for
+    inputs traced without shapes (fx)."""
+    dims: list[tuple[Any, ...] | None] = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        value = n.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            dims.append(None)
+            continue
+        dims.append(
+            tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
+        )
+    return dims
+
+
+def check_inputs(graph: nx.DiGraph, leaves: Sequence[Any], what: str = "inputs") -> None:
+    """ValueError, before anything runs, when a microbatch's input shapes cannot run on the
+    captured graph: a static dim differs, or a dynamic one leaves its range or breaks an
+    equality the capture found (e.g. two inputs sharing a sequence length)."""
+    dims: list[tuple[Any, ...] | None] = graph.graph.get("input_dims", [])
+    names: list[str] = graph.graph["inputs"]
+    if len(leaves) != len(names):
+        raise ValueError(
+            f"{what} have {len(leaves)} tensors but the model was captured with {len(names)} "
+            f"({', '.join(names)}); give every batch the same inputs"
+        )
+    bound: dict[Any, int] = {}
+    exprs: list[tuple[str, int, Any, int]] = []
+    for name, want, t in zip(names, dims, leaves, strict=True):
+        if want is None or not isinstance(t, torch.Tensor):
+            continue
+        if t.dim() != len(want):
+            raise ValueError(
+                f"{what} {name!r} has {t.dim()} dims {tuple(t.shape)} but was captured with "
+                f"{len(want)}; give tensors of the captured rank"
+            )
+        for d, (w, got) in enumerate(zip(want, t.shape, strict=True)):
+            if isinstance(w, int):
+                if w != got:
+                    raise ValueError(
+                        f"{what} {name!r} has size {got} in dim {d} (shape {tuple(t.shape)}) but "
+                        f"the model was captured with {w} there, a size torch.export made "
+                        f"static (the model's code fixes it, or the example had size 1); build "
+                        f"the Pipeline with example_input of the shape you train with"
+                    )
+            elif getattr(w, "is_Symbol", False):
+                if w in bound and bound[w] != got:
+                    raise ValueError(
+                        f"{what} {name!r} has size {got} in dim {d} but the capture found it "
+                        f"equal to another input's size {bound[w]}; keep those sizes equal"
+                    )
+                bound[w] = int(got)
+                low, high = graph.graph["ranges"].get(w, (0, float("inf")))
+                # export assumes dynamic sizes >= 2 (it specialises 0 and 1); the graph's ops
+                # are the same for 1, so only a bound the model's code set is enforced.
+                if not (1 if low == 2 else low) <= got <= high:
+                    raise ValueError(
+                        f"{what} {name!r} has size {got} in dim {d}; the captured model allows "
+                        f"{low}..{high} there"
+                    )
+            else:
+                exprs.append((name, d, w, int(got)))
+    for name, d, w, got in exprs:
+        value = w.subs(bound)
+        if value.is_number and int(value) != got:
+            raise ValueError(
+                f"{what} {name!r} has size {got} in dim {d}; the captured model needs {value} "
+                "there (torch.export fixed it from the example and the model's code); build the "
+                "Pipeline with example_input of the shape you train with"
+            )

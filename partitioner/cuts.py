@@ -24,23 +24,28 @@ class Span:
 
 
 def spans(graph: nx.DiGraph) -> list[Span]:
-    """Live ranges of every value that would have to be sent across a cut, in definition
-    order. get_attr values (parameters, constants) are re-read by each stage that uses them, so
-    they never cross."""
+    """Live ranges, over the graph's units, of every value that would have to be sent across
+    a cut, in definition order. get_attr values (parameters, constants) are re-read and
+    symbolic sizes re-derived by each stage that uses them, so they never cross; values used
+    only inside their own unit never cross either."""
     gm: fx.GraphModule = graph.graph["graph_module"]
     n = len(graph.graph["order"])
-    meta = graph.graph["input_meta"]
+    meta = graph.graph["value_meta"]
+    unit_of: dict[str, int] = graph.graph["unit_of"]
+    recompute: set[str] = graph.graph["recompute"]
     result: list[Span] = []
     for node in gm.graph.nodes:
-        if node.op in ("output", "get_attr"):
+        if node.op in ("output", "get_attr") or node.name in recompute:
             continue
-        if node.op == "placeholder":
-            start, size, tensor = -1, meta[node.name]["bytes"], meta[node.name]["tensor"]
-        else:
-            attrs = graph.nodes[node.name]
-            start, size, tensor = attrs["index"], attrs["bytes"], attrs["tensor"]
-        uses = [n if u.op == "output" else graph.nodes[u.name]["index"] for u in node.users]
-        result.append(Span(node.name, start, max(uses, default=start), size, tensor))
+        start = -1 if node.op == "placeholder" else unit_of[node.name]
+        uses = [
+            n if u.op == "output" else unit_of[u.name] for u in node.users if u.name in unit_of
+            or u.op == "output"
+        ]
+        value = meta[node.name]
+        result.append(
+            Span(node.name, start, max(uses, default=start), value["bytes"], value["tensor"])
+        )
     return result
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from partitioner.exported import retarget
 from partitioner.sandbox import sandbox
 
 Progress = Callable[[int, int, str], None]
@@ -183,12 +184,15 @@ def profile(
             f"example_inputs must be a tuple, got {type(example_inputs).__name__}; wrap as (x,)"
         )
     target = torch.device(device)
-    gm: fx.GraphModule = graph.graph["graph_module"]
+    gm: fx.GraphModule = graph.graph["unit_module"]  # one call_module per unit
     current = next((p.device for p in gm.parameters()), torch.device("cpu"))
     same = current.type == target.type and target.index in (None, current.index)
     with sandbox(model):
         if not same:
             gm = copy.deepcopy(gm).to(target)
+            for sub in gm.modules():
+                if isinstance(sub, fx.GraphModule):
+                    retarget(sub, target)
             example_inputs = tree_map(
                 lambda t: t.to(target) if isinstance(t, torch.Tensor) else t, example_inputs
             )

@@ -13,9 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 import networkx as nx
-from torch import fx
+import torch
+from torch import fx, nn
 
 from partitioner.cuts import live_at, spans
+from partitioner.exported import (
+    SymLookup,
+    Unflatten,
+    is_symbolic,
+    mark_non_persistent,
+    retarget,
+)
 from partitioner.plan import Plan
 
 
@@ -46,7 +54,15 @@ class StageModule(fx.GraphModule):
         copied.input_names = list(self.input_names)
         copied.output_names = list(self.output_names)
         copied.index = self.index
+        if hasattr(self, "_out_spec"):
+            copied._out_spec = self._out_spec
         return copied
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            retarget(self, device)  # a stage moved to another device creates tensors there
+        return super().to(*args, **kwargs)
 
 
 def _check_plan(graph: nx.DiGraph, plan: Plan) -> list[int]:
@@ -74,33 +90,39 @@ def _stage_graph(
     *,
     first: bool,
     last: fx.Node | None,
+    structured: bool,
 ) -> fx.Graph:
-    """The graph of one stage: placeholders `inputs`, the nodes `names` copied in order, and
-    an output of `outputs` (or, for the last stage, a 1-tuple of the model's output)."""
+    """The graph of one stage: placeholders `inputs`, the flat nodes `names` copied in order,
+    and an output of `outputs` (or, for the last stage, a 1-tuple of the model's output,
+    rebuilt from the flat outputs when `structured`)."""
     new = fx.Graph()
     env: dict[str, fx.Node] = {}
     for name in inputs:
         # Stage 0 keeps the model's placeholders (names, defaults); later stages take the
         # previous stage's outputs under the same value names.
         env[name] = new.node_copy(nodes[name]) if first else new.placeholder(name)
-
+        env[name].meta = dict(nodes[name].meta)
     def lookup(arg: fx.Node) -> fx.Node:
         if arg.name not in env:
-            if arg.op != "get_attr":
+            if arg.op == "get_attr":
+                # Parameters and constants are re-read where used instead of being sent.
+                env[arg.name] = new.get_attr(str(arg.target))
+                env[arg.name].meta = dict(arg.meta)
+            elif is_symbolic(arg):
+                return SymLookup(new, env, lookup)(arg)
+            else:
                 raise RuntimeError(f"value {arg.name} is not available in this stage")
-            # Parameters and constants are re-read where used instead of being sent.
-            env[arg.name] = new.get_attr(str(arg.target))
         return env[arg.name]
 
     for name in names:
-        source = nodes[name]
-        if source.op == "get_attr":
-            continue  # materialised by lookup in the stages that use it
-        env[name] = new.node_copy(source, lookup)
-    if last is not None:
-        new.output((fx.node.map_arg(last.args[0], lookup),))
-    else:
+        env[name] = new.node_copy(nodes[name], lookup)
+    if last is None:
         new.output(tuple(lookup(nodes[name]) for name in outputs))
+    elif structured:
+        new.output(fx.node.map_arg(last.args[0], lookup))
+        new.set_codegen(Unflatten(wrap=True))
+    else:
+        new.output((fx.node.map_arg(last.args[0], lookup),))
     new.lint()
     return new
 
@@ -112,6 +134,9 @@ def split_model(graph: nx.DiGraph, plan: Plan) -> list[StageModule]:
     all_spans = spans(graph)
     nodes = {node.name: node for node in gm.graph.nodes}
     output_node = nodes[graph.graph["output"]]
+    structured = isinstance(gm.graph._codegen, Unflatten)
+    unit_of: dict[str, int] = graph.graph["unit_of"]
+    flat_order = [n.name for n in gm.graph.nodes if n.name in unit_of]
     p = len(plan.stages)
     stage_modules: list[StageModule] = []
     inputs: list[str] = list(graph.graph["inputs"])
@@ -125,7 +150,37 @@ def split_model(graph: nx.DiGraph, plan: Plan) -> list[StageModule]:
             )
         outputs = [s.name for s in crossing]
         last = output_node if k == p - 1 else None
-        new = _stage_graph(nodes, plan.stages[k], inputs, outputs, first=k == 0, last=last)
-        stage_modules.append(StageModule(gm, new, list(inputs), outputs, k))
+        members = [n for n in flat_order if bounds[k] <= unit_of[n] < bounds[k + 1]]
+        new = _stage_graph(
+            nodes, members, inputs, outputs, first=k == 0, last=last, structured=structured
+        )
+        stage = StageModule(gm, new, list(inputs), outputs, k)
+        if last is not None and structured:
+            stage._out_spec = gm._out_spec
+        _add_aliases(stage, graph.graph["aliases"])
+        mark_non_persistent(stage, graph.graph["non_persistent"])
+        stage_modules.append(stage)
         inputs = outputs
     return stage_modules
+
+
+def _add_aliases(stage: StageModule, names: dict[str, list[str]]) -> None:
+    """A tied weight is held under every name the model gives it, so the stage's state_dict
+    has the model's own keys (named_parameters still yields it once)."""
+    held: dict[str, torch.Tensor] = dict(stage.named_parameters(remove_duplicate=False))
+    held.update(stage.named_buffers(remove_duplicate=False))
+    for name, tensor in list(held.items()):
+        for other in names.get(name, []):
+            if other in held:
+                continue
+            prefix, _, field = other.rpartition(".")
+            owner: nn.Module = stage
+            for part in prefix.split(".") if prefix else []:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            if isinstance(tensor, nn.Parameter):
+                owner.register_parameter(field, tensor)
+            else:
+                owner.register_buffer(field, tensor)
+            held[other] = tensor

@@ -19,8 +19,11 @@ import networkx as nx
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from partitioner import Plan, StageModule, split_model
+from partitioner.capture import call_structure, check_inputs, check_mode
+from partitioner.exported import flat_inputs
 from pipeline import checkpoint
 from pipeline.autoplan import AutoPlan
 from pipeline.calibration import (
@@ -35,7 +38,7 @@ from pipeline.costs import StageCosts, costs_for_stages, predict
 from pipeline.distributed import DistContext, DistributedExecutor
 from pipeline.executor import Executor
 from pipeline.local import LocalExecutor, resolve_devices
-from pipeline.microbatch import Batch
+from pipeline.microbatch import Batch, batch_size, split_microbatches
 from pipeline.planner import Planned, Planner
 from pipeline.runtime import LossFn
 from pipeline.settings import pipeline_settings
@@ -79,8 +82,8 @@ def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
 class Pipeline:
     """A model split into pipeline stages that trains exactly as the unsplit model.
 
-    ``Pipeline(model, stages=4)`` captures the model (torch.fx), partitions it into
-    ``stages x virtual_stages`` contiguous stages (``balance``: "profile" = measured time,
+    ``Pipeline(model, stages=4)`` captures the model (torch.export, or torch.fx), partitions
+    it into ``stages x virtual_stages`` contiguous stages (``balance``: "profile" = measured time,
     "parameters", "uniform", or node counts per stage), builds the schedule and runs each step
     with one worker thread per pipeline rank, each on its device (``devices``; by default CUDA
     devices when there are at least ``stages``, else CPU).
@@ -107,7 +110,9 @@ class Pipeline:
       re-walks the input-grad path (see pipeline.runtime).
     - ``timeout``: seconds any wait for a tensor may take before the step fails (default
       $HYBRIDPIPE_TIMEOUT, else 120).
-    - ``leaf_modules``: module classes fx keeps whole when capturing (see partitioner.capture).
+    - ``leaf_modules``: module classes kept whole when capturing: one unit of the exported
+      graph, or called whole by fx (see partitioner.capture).
+    - ``capture_method``: "auto" (torch.export, falling back to torch.fx), "export" or "fx".
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
     - ``rebalance``: after the third step, re-partition once from the measured stage costs if
       that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
@@ -165,6 +170,7 @@ class Pipeline:
         timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None,
         rebalance: bool = False,
+        capture_method: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -194,7 +200,7 @@ class Pipeline:
             self._planner = Planner(
                 model, self.stages, schedule=schedule, microbatches=microbatches,
                 virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
-                memory_limit=memory_limit,
+                memory_limit=memory_limit, capture_method=capture_method,
             )
         # Every process must build the same Pipeline (checked under torch.distributed).
         ctx = self._executor.context
@@ -226,33 +232,14 @@ class Pipeline:
     # -- setup ------------------------------------------------------------------------------------
 
     def _as_args(self, x: Batch) -> tuple[Any, ...]:
-        """The model's positional forward arguments from a tensor, tuple/list or dict batch."""
-        if isinstance(x, Tensor):
-            return (x,)
-        if isinstance(x, (tuple, list)):
-            return tuple(x)
-        if isinstance(x, dict):
-            names = [
-                p.name
-                for p in inspect.signature(self.module.forward).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-            unknown = sorted(set(x) - set(names))
-            if unknown:
-                raise ValueError(
-                    f"input keys {unknown} are not arguments of {type(self.module).__name__}"
-                    f".forward {names}; use its argument names as keys"
-                )
-            used = [n for n in names if n in x]
-            if names[: len(used)] != used:
-                raise ValueError(
-                    f"input keys {sorted(x)} skip arguments of forward {names}; give the leading "
-                    "arguments without gaps"
-                )
-            return tuple(x[n] for n in used)
-        raise TypeError(
-            f"inputs must be a tensor or a tuple/dict of tensors, got {type(x).__name__}"
-        )
+        """The flat input tensors stage 0 takes from a tensor or tuple/list batch (positional
+        arguments) or a dict batch (keyword arguments), in the captured order."""
+        args, kwargs = call_structure(x)
+        if self._planned is not None:
+            signature = inspect.signature(self.module.forward)
+            return flat_inputs(self._planned.graph.graph["in_spec"], args, kwargs, signature)
+        leaves, self._planner.call_spec = tree_flatten((args, kwargs))
+        return tuple(leaves)
 
     def _setup(self, args: tuple[Any, ...] | None) -> Planned:
         """Make the plan from one batch of inputs and give it to the executor."""
@@ -269,7 +256,17 @@ class Pipeline:
         args = None if x is None else self._as_args(x)
         if self._planned is None:
             self._setup(args)
+        elif args is not None:
+            self._check_inputs(self._planned, args)
         return args
+
+    def _check_inputs(self, planned: Planned, args: tuple[Any, ...]) -> None:
+        """Fail before any tensor moves when a batch cannot run on the captured graph (a
+        static dim changed, or the train/eval mode an export baked in)."""
+        check_mode(planned.graph)
+        m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
+        for mb in split_microbatches(args, m, "inputs"):
+            check_inputs(planned.graph, mb)
 
     # -- running ----------------------------------------------------------------------------------
 

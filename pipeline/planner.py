@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import networkx as nx
 import torch
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from partitioner import Plan, StageModule, capture, partition, profile, split_model
 from pipeline.autoplan import AutoPlan, search
@@ -107,6 +108,14 @@ def _load_custom(spec: object) -> Schedule | None:
     )
 
 
+def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What to capture on: the example microbatch, or two rows of the batch when it has one
+    row, so torch.export keeps the batch dim dynamic (profiling uses the real microbatch)."""
+    if batch_size(example, "inputs") == 1 and batch_size(args, "inputs") >= 2:
+        return tuple(a[:2] for a in args)
+    return example
+
+
 class Planner:
     """Makes the plan of a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks
     (stages) per rank, `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the
@@ -128,8 +137,12 @@ class Planner:
         balance: str | Sequence[int],
         leaf_modules: tuple[type, ...] | None,
         memory_limit: float | None = None,
+        capture_method: str = "auto",
     ) -> None:
         self.model = model
+        self.capture_method = capture_method
+        # The pytree structure of (args, kwargs) whose leaves `make`'s flat inputs are.
+        self.call_spec: TreeSpec | None = None
         self.ranks = ranks
         self.auto = AUTO in (schedule, microbatches, virtual_stages)
         self.memory_limit = memory_limit
@@ -187,7 +200,8 @@ class Planner:
         return schedule
 
     def make(self, args: tuple[Any, ...] | None, how: Coordination) -> Planned:
-        """Plan from one batch of positional inputs `args` (needed on the leader only)."""
+        """Plan from one batch of flat inputs `args` (the leaves of the call `call_spec`
+        describes; needed on the leader only)."""
         offer = None
         profiled: tuple[nx.DiGraph, tuple[Any, ...]] | None = None
         if how.leads:
@@ -202,7 +216,7 @@ class Planner:
             choice = None
             if self.auto:
                 with how.phase("auto-planning (capture and profiling of the model)"):
-                    captured = capture(self.model, example, leaf_modules=self.leaf_modules)
+                    captured = self._capture(_capture_rows(args, example))
                     profile(captured, self.model, example, device=how.device)
                     choice = self._choose(captured, size, batch_size(example, "inputs"))
                 if choice[1] == m:
@@ -210,8 +224,10 @@ class Planner:
                 else:
                     m = choice[1]
                     example = tuple(split_microbatches(args, m, "inputs")[0])
-            offer = (m, example, choice)
-        m, example, choice = how.agree("the first batch", offer, input_settings(args))
+            offer = (m, _capture_rows(args, example), example, choice, self.call_spec)
+        m, rows, example, choice, self.call_spec = how.agree(
+            "the first batch", offer, input_settings(args)
+        )
         with how.phase("capture of the model"):
             if choice is not None:
                 name, _, v = choice
@@ -225,10 +241,7 @@ class Planner:
             if self.schedule is None:
                 self.schedule = self._build(m)
             schedule = self.schedule
-            if profiled is not None:
-                graph = profiled[0]
-            else:
-                graph = capture(self.model, example, leaf_modules=self.leaf_modules)
+            graph = profiled[0] if profiled is not None else self._capture(rows)
         plan = costs = None
         if how.leads:
             if self.balance == "profile" and profiled is None:
@@ -244,6 +257,16 @@ class Planner:
         with how.phase("split of the model"):
             modules = split_model(graph, plan)
         return Planned(self.model, schedule, plan, graph, example, modules, costs)
+
+    def _capture(self, rows: tuple[Any, ...]) -> nx.DiGraph:
+        """Capture the model called with the flat inputs `rows` (structure `call_spec`)."""
+        if self.call_spec is None:
+            raise RuntimeError("planning needs the inputs' structure (Pipeline._as_args)")
+        call_args, call_kwargs = tree_unflatten(list(rows), self.call_spec)
+        return capture(
+            self.model, call_args, call_kwargs, leaf_modules=self.leaf_modules,
+            method=self.capture_method,
+        )
 
     def _choose(self, graph: nx.DiGraph, size: int, profiled_batch: int) -> tuple[str, int, int]:
         """(schedule, microbatches, virtual stages): the fastest predicted within the memory

@@ -506,15 +506,16 @@ def test_untraceable_model_names_the_way_out() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.a(x)
-            if h.sum() > 0:  # data-dependent control flow: fx cannot trace it
+            if h.sum() > 0:  # data-dependent control flow: neither export nor fx captures it
                 h = -h
             return self.b(h)
 
     with pytest.raises(CaptureError) as info:
         Pipeline(Branchy(), 2, microbatches=2, balance="uniform", example_input=torch.randn(4, 4))
     assert isinstance(info.value, ValueError)  # CaptureError is the ValueError of capture
-    # The middle is torch.fx's own TraceError text.
+    # torch.export's error, then torch.fx's own TraceError text.
     assert re.fullmatch(
+        r"torch\.export could not capture Branchy: GuardOnDataDependentSymNode: .+; then "
         r"torch\.fx could not trace the model's own forward \(Branchy\): TraceError: .+\. Two "
         r"ways out: move the untraceable code into a submodule and pass its class in "
         r"leaf_modules to capture/Pipeline, or give a sequential model \(an nn\.Sequential, or "

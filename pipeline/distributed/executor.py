@@ -1,7 +1,8 @@
 """`DistributedExecutor`: this process's pipeline rank of a Schedule under torch.distributed.
 It runs the shared `RankRuntime` over a `P2PTransport`, averages gradients over replicas
-(`GradSync`), agrees on each step's batch shapes with its pipeline, and ends each step with
-the loss on every process and the pipeline's trace on global rank 0.
+(`GradSync`), sums those of parameters tied across pipeline ranks (`TieSync`), agrees on each
+step's batch shapes with its pipeline, and ends each step with the loss on every process and
+the pipeline's trace on global rank 0.
 
 Shapes. Tensor shapes and dtypes crossing ranks come from running the plan: at the first step
 (and whenever the batch's shapes change) each message is preceded by a small metadata message,
@@ -40,6 +41,7 @@ from pipeline.distributed.p2p import (
     TRACE_TAG,
     P2PTransport,
 )
+from pipeline.distributed.ties import TieSync, find_ties
 from pipeline.executor import Executor
 from pipeline.microbatch import batch_size
 from pipeline.planner import Coordination, Planned
@@ -105,6 +107,7 @@ class DistributedExecutor(Executor):
         self._tags_match = dist.get_backend() == "gloo"
         self._gathers_trace = gather_trace and self.layout.dp_rank == 0 and stages > 1
         self._mine: dict[int, StageModule] = {}
+        self.ties: TieSync | None = None
         self._incoming: dict[tuple[str, int], dict[int, list[MessageKey]]] = {}
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -128,6 +131,8 @@ class DistributedExecutor(Executor):
                 f"stages={self.layout.stages}; build the schedule for {self.layout.stages} ranks"
             )
         self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
+        ties = find_ties(planned.model, planned.modules, schedule.placement)
+        self.ties = TieSync(self.context, planned.model, ties)
         kept = {id(t) for m in self._mine.values() for t in (*m.parameters(), *m.buffers())}
         with torch.no_grad():
             for t in (*planned.model.parameters(), *planned.model.buffers()):
@@ -162,6 +167,8 @@ class DistributedExecutor(Executor):
         self.context.agreement.sync("the start")  # every process is built: tensors may move
         self.context.mesh  # noqa: B018 - the process groups, made in this order everywhere
         sync_replicas(self.context, list(self._mine.values()))
+        if self.ties is not None:
+            self.ties.start()
 
     def held(self) -> dict[int, StageModule]:
         return dict(self._mine)
@@ -182,8 +189,9 @@ class DistributedExecutor(Executor):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         if not self._mine:
             return model.named_parameters(prefix, recurse)
-        own = {k: p for m in self._mine.values() for k, p in m.named_parameters()}
-        return ((prefix + k, p) for k, p in own.items())
+        own = {id(p) for m in self._mine.values() for p in m.parameters()}
+        # The model's own names (a tied parameter once, under its first name).
+        return ((prefix + k, p) for k, p in model.named_parameters() if id(p) in own)
 
     # -- per-step agreement -----------------------------------------------------------------------
 
@@ -271,6 +279,8 @@ class DistributedExecutor(Executor):
                 self.transport.abandon()
                 raise
             self.grads.finish()
+            if self.ties is not None:
+                self.ties.finish()
             timeline = self._finish(pending, result.events)
         return StepResult(total / self.layout.data_parallel, timeline, result.input_grads)
 

@@ -1,0 +1,135 @@
+"""Tiny configurations of the model families people bring (Hugging Face GPT-2, Llama, BERT;
+timm ViT and ConvNeXt; the GPT `tok(idx) + pos[:T]` idiom), each with a batch maker and a loss,
+shared by the local and distributed real-model tests. Built from configs: no downloads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB = 48
+
+
+@dataclass
+class Spec:
+    """A model factory, a batch maker `batch(rows, seq) -> (inputs, targets)` and a loss."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], tuple[Any, torch.Tensor]]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def class_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target)
+
+
+def _tokens(rows: int, seq: int, mask: bool) -> tuple[Any, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, seq))
+    target = torch.randint(0, VOCAB, (rows, seq))
+    if not mask:
+        return {"input_ids": ids}, target
+    attention = torch.ones(rows, seq, dtype=torch.long)
+    attention[0, seq // 2 :] = 0  # one padded row, so the mask matters
+    return {"input_ids": ids, "attention_mask": attention}, target
+
+
+def _images(rows: int, _: int) -> tuple[Any, torch.Tensor]:
+    return torch.randn(rows, 3, 32, 32, dtype=torch.float64), torch.randint(0, 5, (rows,))
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    return model
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )
+    return BertForMaskedLM(config)
+
+
+def vit() -> nn.Module:
+    import timm
+
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=16,
+        depth=3, num_heads=2, num_classes=5,
+    )
+
+
+def convnext() -> nn.Module:
+    import timm
+
+    return timm.create_model(
+        "convnext_atto", pretrained=False, depths=(1, 1, 2, 1), dims=(8, 16, 24, 32),
+        num_classes=5,
+    )
+
+
+class PosGPT(nn.Module):
+    """The everyday GPT idiom: a learned position table sliced by the sequence length."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16, layers: int = 3, max_seq: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(max_seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+SPECS: dict[str, Spec] = {
+    "gpt2": Spec(gpt2, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "llama": Spec(llama, lambda r, s: _tokens(r, s, mask=False), lm_loss),
+    "bert": Spec(bert, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "vit": Spec(vit, _images, class_loss),
+    "convnext": Spec(convnext, _images, class_loss),
+    "pos_gpt": Spec(PosGPT, lambda r, s: (_tokens(r, s, mask=False)[0]["input_ids"],
+                                          torch.randint(0, VOCAB, (r, s))), lm_loss),
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return SPECS[name].build().double()

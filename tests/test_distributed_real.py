@@ -1,0 +1,91 @@
+"""Hugging Face GPT-2 with its tied embedding / LM head under the distributed executor (4 gloo
+processes launched as torchrun does): at pp=2 x dp=2 and pp=4, for every schedule, an SGD step
+(two for 1F1B) gives the single-process loss and every gathered gradient (float64, 1e-9), and
+the gathered state_dict has the model's own keys and values (so the tied copies stayed equal).
+
+One launch loops over every case (starting a process with torch costs seconds). This file is
+also the worker: ``python tests/test_distributed_real.py tied OUT_DIR``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler import SCHEDULES
+from tests.test_distributed import _all_ok, launch
+
+ATOL = 1e-9
+ROWS = 8  # per replica
+
+
+def _batch(step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from tests.real_models import SPECS
+
+    torch.manual_seed(500 + step)
+    return SPECS["gpt2"].batch(rows, 8)
+
+
+def worker_tied(out: Path) -> None:
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+    from pipeline.checkpoint import gather_named
+    from tests.real_models import SPECS, build
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    loss_fn = SPECS["gpt2"].loss_fn
+    for pp in (2, 4):
+        for schedule in sorted(SCHEDULES):
+            label = f"pp={pp} {schedule}"
+            ref, model = build("gpt2"), build("gpt2")
+            pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=2 * pp,
+                            loss_fn=loss_fn, balance="parameters")
+            ctx = pipe.distributed
+            assert ctx is not None
+            dp, d = ctx.layout.data_parallel, ctx.layout.dp_rank
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            for step in range(2 if schedule == "1f1b" else 1):
+                x, y = _batch(step, ROWS * dp)
+                ref.zero_grad()
+                expected = loss_fn(ref(**x), y)
+                expected.backward()
+                pipe.zero_grad()
+                mine = {k: v[d * ROWS : (d + 1) * ROWS] for k, v in x.items()}
+                loss = pipe.step(mine, y[d * ROWS : (d + 1) * ROWS])
+                torch.testing.assert_close(loss.double(), expected.detach(), atol=ATOL, rtol=0,
+                                           msg=f"{label}: loss of step {step}")
+                grads = gather_named({k: p.grad for k, p in pipe.named_parameters()}, ctx)
+                if grads is not None:
+                    want = dict(ref.named_parameters())
+                    assert sorted(grads) == sorted(want), f"{label}: {sorted(grads)}"
+                    for k, g in grads.items():
+                        torch.testing.assert_close(g, want[k].grad, atol=ATOL, rtol=0,
+                                                   msg=f"{label}: grad of {k}, step {step}")
+                opt.step()
+                ref_opt.step()
+            state = pipe.state_dict()
+            if state is not None:
+                assert sorted(state) == sorted(ref.state_dict()), f"{label}: {sorted(state)}"
+                for k, v in ref.state_dict().items():
+                    torch.testing.assert_close(state[k], v, atol=ATOL, rtol=0,
+                                               msg=f"{label}: state {k}")
+    dist.destroy_process_group()
+    print("worker tied: every check ran")
+
+
+WORKERS = {"tied": worker_tied}
+
+
+@pytest.mark.slow
+def test_tied_gpt2_every_schedule(tmp_path: Path) -> None:
+    _all_ok(launch("tied", 4, tmp_path, deadline=400.0, script=__file__), "tied")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    WORKERS[sys.argv[1]](Path(sys.argv[2]))
