@@ -15,6 +15,7 @@ Run: .venv/bin/python benchmarks/bench_capture.py
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def gpt2_small() -> dict[str, Any]:
         capture(model, (), x, method="fx")
         fx = "captured"
     except CaptureError as exc:
-        fx = str(exc).split(":")[0] + ": " + str(exc).split(":")[2].strip()[:80]
+        fx = " ".join(str(exc).split(". Two ways out")[0].split())[:300]
     return {
         "model": "GPT-2 small (HF GPT2LMHeadModel, 124M config), 1x128 tokens, float32",
         "parameters": params,
@@ -106,14 +107,15 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [gpt2_small(), llama_1b_meta()]
     meta = {"torch": torch.__version__, "machine": platform.machine(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "load": os.getloadavg()[0]}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "capture.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
                                           + "\n")
     lines = [
         "# Capture: torch.export front end on real models",
         "",
-        f"torch {meta['torch']}, {meta['machine']}, {meta['threads']} threads. "
+        f"torch {meta['torch']}, {meta['machine']}, {meta['threads']} threads, load average "
+        f"{meta['load']:.1f} (a shared machine: times are upper bounds). "
         "Command: `.venv/bin/python benchmarks/bench_capture.py`.",
         "",
         "| model | params | aten nodes | units | capture s | profile s | partition s | split s "

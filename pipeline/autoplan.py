@@ -204,7 +204,7 @@ def search(
     if bad:
         raise ValueError(f"pp {bad} must divide world_size={world_size}; use one of "
                          f"{_divisors(world_size)}")
-    costs_cache: dict[int, StageCosts] = {}
+    costs_cache: dict[int, StageCosts | None] = {}
     heap: list[tuple[float, int, Candidate]] = []  # max-heap on step time (negated)
     simulated = over = pruned = 0
     notes: list[str] = []
@@ -220,8 +220,14 @@ def search(
                 if stages > nodes:
                     continue
                 if stages not in costs_cache:
-                    costs_cache[stages] = costs_for_stages(graph, stages)
+                    try:
+                        costs_cache[stages] = costs_for_stages(graph, stages)
+                    except ValueError as err:  # e.g. fewer places to cut than stages
+                        notes.append(f"{stages} stages: {err}")
+                        costs_cache[stages] = None
                 base = costs_cache[stages]
+                if base is None:
+                    continue
                 counts = (
                     microbatches if microbatches is not None
                     else default_microbatches(p, per_replica)

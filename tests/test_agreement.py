@@ -199,12 +199,14 @@ def worker_capture(out: Path) -> None:
 
 def worker_profile(out: Path) -> None:
     """world 2: global rank 0 (the only one profiling) is killed while profiling."""
-    _setup_fault(out, 0, "killed while profiling", balance="profile")
+    # fx capture: the fault hooks on the user's modules run inside fx's stages (an exported
+    # graph calls aten ops, not the modules).
+    _setup_fault(out, 0, "killed while profiling", balance="profile", capture_method="fx")
 
 
 def worker_build(out: Path) -> None:
     """world 2: rank 1 hangs while building its executor (moving its stage to its device)."""
-    _setup_fault(out, 1, "hang while building")
+    _setup_fault(out, 1, "hang while building", capture_method="fx")
 
 
 WORKERS: dict[str, Callable[[Path], None]] = {
