@@ -504,10 +504,32 @@ def test_gradient_buckets_respect_the_cap() -> None:
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 30, 5, 40, 1)]
     params.append(nn.Parameter(torch.zeros(3, dtype=torch.float64)))
     ctx = SimpleNamespace(layout=SimpleNamespace(data_parallel=2))
-    sync = GradSync(ctx, {0: params, 1: params[:2]}, bucket_bytes=160)  # type: ignore[arg-type]
+    sync = GradSync(ctx, {0: params}, bucket_bytes=160)  # type: ignore[arg-type]
     sizes = [[p.numel() for p in bucket] for bucket in sync.buckets[0]]
     assert sizes == [[1], [40], [5, 30], [3], [10]]  # reverse order, <= 160 bytes, one dtype
+
+
+def test_shared_parameter_is_reduced_once_with_the_stage_that_finishes_last() -> None:
+    from types import SimpleNamespace
+
+    from pipeline.distributed import GradSync
+    from pipeline.distributed.gradsync import finish_order
+    from scheduler import Schedule, build_schedule
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 30, 5)]
+    ctx = SimpleNamespace(layout=SimpleNamespace(data_parallel=2))
+    # Stage 1 finishes first, stage 0 last: the parameters both use go with stage 0.
+    sync = GradSync(ctx, {1: params[:2], 0: params})  # type: ignore[arg-type]
+    assert [[p.numel() for p in b] for b in sync.buckets[0]] == [[5, 30, 10]]
+    assert sync.buckets[1] == []
+    sync = GradSync(ctx, {0: params, 1: params[:2]})  # type: ignore[arg-type]
+    assert [[p.numel() for p in b] for b in sync.buckets[0]] == [[5]]
     assert [[p.numel() for p in b] for b in sync.buckets[1]] == [[30, 10]]
+    # V placement: rank 0 holds stages 0 and 3; stage 0's backward runs last.
+    zbv = build_schedule("zbv", 2, 4)
+    assert finish_order(zbv, 0) == [3, 0]
+    assert finish_order(zbv, 1) == [2, 1]
+    assert finish_order(Schedule.from_text("0F0 1F0 1B0 0B0"), 0) == [1, 0]
 
 
 def test_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:

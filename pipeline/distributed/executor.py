@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from partitioner import StageModule
 from pipeline.distributed.context import DistContext
-from pipeline.distributed.gradsync import GradSync, sync_replicas
+from pipeline.distributed.gradsync import GradSync, finish_order, sync_replicas
 from pipeline.distributed.p2p import (
     LOSS_TAG,
     MAX_MICROBATCHES,
@@ -151,7 +151,11 @@ class DistributedExecutor(Executor):
                 if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
                     module.to(self.context.device)
             self.grads = GradSync(
-                self.context, {s: list(m.parameters()) for s, m in self._mine.items()},
+                self.context,
+                {
+                    s: list(self._mine[s].parameters())
+                    for s in finish_order(self._schedule, self.layout.pp_rank)
+                },
                 bucket_bytes=self.bucket_bytes,
             )
             self.runtime = RankRuntime(

@@ -16,14 +16,29 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline.distributed.context import DistContext
+from scheduler import Op, Schedule
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket cap (as DDP's 25 MB)
+
+
+def finish_order(schedule: Schedule, rank: int) -> list[int]:
+    """`rank`'s stages in the order their last backward (W when backward is split) runs."""
+    final = Op.W if schedule.splits_backward else Op.B
+    last = {stage: -1 for stage in schedule.stages_of(rank)}
+    for i, action in enumerate(schedule.actions[rank]):
+        if action.op is final:
+            last[action.stage] = i
+    return sorted(last, key=last.__getitem__)
 
 
 class GradSync:
     """Averages each stage's gradients over its replicas: per stage, buckets of at most
     `bucket_bytes` (one dtype each) are flattened and all-reduced asynchronously when `start`
-    is called (RankRuntime's on_stage_done), and copied back in `finish` at the end of step."""
+    is called (RankRuntime's on_stage_done), and copied back in `finish` at the end of step.
+
+    `stage_params` lists this process's stages in the order their last backward finishes. A
+    parameter used by several of them (a tied embedding and LM head both on rank 0 under a V
+    placement) is reduced once, with the last of them: only then is its gradient complete."""
 
     def __init__(
         self,
@@ -35,10 +50,12 @@ class GradSync:
         self.ctx = ctx
         self.size = ctx.layout.data_parallel
         self.buckets: dict[int, list[list[nn.Parameter]]] = {}
+        last_user = {id(p): stage for stage, params in stage_params.items() for p in params}
         for stage, params in stage_params.items():
             buckets: list[list[nn.Parameter]] = []
             current: dict[torch.dtype, tuple[list[nn.Parameter], int]] = {}
-            for p in reversed([p for p in params if p.requires_grad]):
+            mine = [p for p in params if p.requires_grad and last_user[id(p)] == stage]
+            for p in reversed(mine):
                 group, used = current.get(p.dtype, ([], 0))
                 if group and used + p.numel() * p.element_size() > cap:
                     buckets.append(group)
