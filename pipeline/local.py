@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,7 +250,12 @@ class LocalExecutor(Executor):
         targets: Sequence[Any] | None,
         loss_weights: Sequence[float],
     ) -> StepResult:
-        results = self._run(lambda rt: rt.run_step(inputs, targets, loss_weights))
+        if self.abort.is_set():
+            self._build_runtimes()  # before entering the new runtimes' leaves
+        with ExitStack() as leaves:
+            for runtime in self.runtimes:
+                leaves.enter_context(runtime.step_leaves())
+            results = self._run(lambda rt: rt.run_step(inputs, targets, loss_weights))
         events = sorted((e for r in results for e in r.events), key=lambda e: e.start)
         losses = [loss for r in results for loss in r.losses.values()]
         total = torch.stack(losses).sum() if losses else None

@@ -27,11 +27,17 @@ the activation-grad path is walked once. Stage outputs that do not depend on the
 Under activation checkpointing W is one backward from the outputs restricted to the weights,
 since each backward call recomputes the checkpointed forward.
 
-Gradients are computed with `torch.autograd.grad` and added to `.grad` by `_accumulate`
-under the step's `CancelToken`, never by autograd itself: once a step is cancelled (a failure,
-a timeout, Ctrl-C) a worker still inside a backward cannot write into `.grad`. Stage 0's input
-grads (an input with requires_grad) are returned in `RankResult.input_grads`, and the
-executor applies them (`apply_input_grads`) once the whole step succeeded.
+Step-private leaves: for a training step each trainable parameter of a stage is swapped, in
+its module, for a leaf of the step's own (``p.detach().requires_grad_()``, same storage), so
+autograd's AccumulateGrad writes the weight grads there (stealing the first microbatch's
+buffer, adding in place after: the hot-memory path of a plain ``loss.backward()``). When a
+stage's last backward is done its leaves' grads are committed into the parameters' `.grad`
+under the step's `CancelToken`; the parameters are put back at the end of the step. So once a
+step is cancelled (a failure, a timeout, Ctrl-C) a worker still inside a backward writes only
+into leaves nobody reads: neither the restored grads nor a retried step's. Stage inputs are
+leaves of the step too; stage 0's input grads (an input with requires_grad) are returned in
+`RankResult.input_grads`, and the executor applies them (`apply_input_grads`) once the whole
+step succeeded.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, cast
 
 import torch
 from torch import Tensor, nn
@@ -198,6 +204,64 @@ def accumulate_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -
         torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
 
 
+Slot: TypeAlias = tuple[nn.Module, str, Tensor]  # (owning module, attribute name, parameter)
+
+
+def parameter_slots(module: nn.Module) -> list[Slot]:
+    """Where `module` holds its parameters (a parameter held twice has two slots)."""
+    return [
+        (owner, name, t)
+        for owner in module.modules()
+        for name, t in owner._parameters.items()
+        if t is not None
+    ]
+
+
+class StepLeaves:
+    """One step's private leaves of one stage: `pairs` (parameter, leaf) for the trainable
+    parameters, each once. `swap_in` puts the leaves into the module's slots; `swap_out`
+    puts the parameters back in the slots that still hold this step's leaves (a retried step
+    may hold its own there already)."""
+
+    def __init__(self, slots: Sequence[Slot]) -> None:
+        leaves: dict[int, Tensor] = {}
+        self.slots: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+        self.pairs: list[tuple[Tensor, Tensor]] = []
+        for owner, name, p in slots:
+            if not p.requires_grad:
+                continue
+            leaf = leaves.get(id(p))
+            if leaf is None:
+                leaf = leaves[id(p)] = p.detach().requires_grad_(True)
+                self.pairs.append((p, leaf))
+            self.slots.append((owner, name, p, leaf))
+        self.leaves = [leaf for _, leaf in self.pairs]
+
+    def swap_in(self) -> None:
+        for owner, name, _, leaf in self.slots:
+            owner._parameters[name] = cast(nn.Parameter, leaf)  # a plain leaf, for one step
+
+    def swap_out(self) -> None:
+        for owner, name, p, leaf in self.slots:
+            if owner._parameters.get(name) is leaf:
+                owner._parameters[name] = cast(nn.Parameter, p)
+
+    def commit(self) -> None:
+        """Move the leaves' grads into the parameters' `.grad` (stolen, or added)."""
+        adds: list[tuple[Tensor, Tensor]] = []
+        for p, leaf in self.pairs:
+            g = leaf.grad
+            if g is None:
+                continue
+            leaf.grad = None
+            if p.grad is None:
+                p.grad = g
+            else:
+                adds.append((p.grad, g))
+        if adds:
+            torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
+
+
 @dataclass(frozen=True, slots=True)
 class _Step:
     """One lowered instruction with what a Compute reads and writes (message keys)."""
@@ -295,7 +359,8 @@ class RankRuntime:
         self.last_stage = schedule.num_stages - 1
         self.program = compile_program(schedule, rank)
         self._forward_programs: dict[int, Program] = {}
-        self._params: dict[int, list[Tensor]] = {}  # trainable parameters, read each step
+        self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
+        self._leaves: dict[int, StepLeaves] = {}  # this training step's leaves per stage
         # Per-step state; all empty between steps (checked by _check_buffers_empty).
         self._stash: dict[tuple[int, int], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
         self._pending_w: dict[tuple[int, int], WeightWork] = {}
@@ -346,12 +411,29 @@ class RankRuntime:
                 )
         self._begin(inputs or (), targets or (), loss_weights)
         try:
-            with torch.enable_grad():
+            with nullcontext() if self._leaves else self.step_leaves(), torch.enable_grad():
                 self._run(self.program, train=True)
             self._check_buffers_empty()
             return self._result
         finally:
             self._end()
+
+    @contextmanager
+    def step_leaves(self) -> Iterator[None]:
+        """The training step's private leaves (see the module docstring) in this rank's stage
+        modules while the block runs. Executors enter it in the caller's thread around the
+        step, so the parameters are back in their modules when the step returns or raises,
+        even while a cancelled worker is still stuck in its backward; `run_step` enters it
+        itself when the caller has not."""
+        self._leaves = {st: StepLeaves(slots) for st, slots in self._slots.items()}
+        try:
+            for leaves in self._leaves.values():
+                leaves.swap_in()
+            yield
+        finally:
+            for leaves in self._leaves.values():
+                leaves.swap_out()
+            self._leaves = {}
 
     def run_forward(
         self, inputs: Sequence[tuple[Tensor, ...]] | None, microbatches: int, *, grad: bool
@@ -407,8 +489,10 @@ class RankRuntime:
                 if not isinstance(err, PipelineAborted):
                     err.add_note(f"while running {ins} on pipeline rank {self.rank}")
                 raise
-            if hook is not None and index in done:
-                hook(done[index])
+            if index in done:
+                self._commit(done[index])
+                if hook is not None:
+                    hook(done[index])
 
     # -- per-step bookkeeping ------------------------------------------------------------------
 
@@ -420,9 +504,6 @@ class RankRuntime:
     ) -> None:
         self._inputs, self._targets, self._weights = inputs, targets, weights
         self._result = RankResult()
-        self._params = {
-            s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()
-        }
 
     def _end(self) -> None:
         # Drop everything a failed step may have left, so the next step starts clean.
@@ -452,6 +533,11 @@ class RankRuntime:
         module = self.stages[stage]
         if step.reads is None:
             inputs = tuple(self._inputs[mb])
+            if train:  # the caller's inputs get their grads once the step succeeded
+                inputs = tuple(
+                    t.detach().requires_grad_(True) if _is_float(t) and t.requires_grad else t
+                    for t in inputs
+                )
         else:
             inputs = self._mail.pop(step.reads)
             if train:
@@ -538,12 +624,12 @@ class RankRuntime:
             torch.zeros_like(t) if g is None else g for t, g in zip(floats, grads, strict=True)
         )
 
-    def _accumulate(self, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
-        """Add `grads` into the parameters' `.grad` (the only gradient write of a step), under
-        the cancel token: a cancelled step's worker raises here instead of writing."""
+    def _commit(self, stage: int) -> None:
+        """Commit `stage`'s leaf grads into its parameters' `.grad` (the only gradient write
+        of a step), under the cancel token: a cancelled step's worker raises here instead."""
         lock = self.abort.writing(f"rank {self.rank}'s gradient write") if self.abort else None
         with lock or nullcontext():
-            accumulate_grads(params, grads)
+            self._leaves[stage].commit()
 
     def _backward(self, action: Action, step: _Step, train: bool) -> None:
         stage, mb = action.stage, action.microbatch
@@ -551,14 +637,12 @@ class RankRuntime:
         roots, grads = self._roots(step, outputs)
         floats = [t for t in inputs if _is_float(t)]
         wanted = [t for t in floats if t.requires_grad]
-        params = self._params[stage]
+        params = self._leaves[stage].leaves
         work = None
         if not self.schedule.splits_backward:
-            got: Sequence[Tensor | None] = [None] * (len(wanted) + len(params))
-            if roots and (wanted or params):
-                got = torch.autograd.grad(roots, [*wanted, *params], grads, allow_unused=True)
-            self._accumulate(params, got[len(wanted):])
-            dx = got[: len(wanted)]
+            if roots and (wanted or params):  # AccumulateGrad writes the step's leaves
+                torch.autograd.backward(roots, grads, inputs=[*wanted, *params])
+            dx: Sequence[Tensor | None] = [t.grad for t in wanted]
         else:
             dx, work = backward_input(
                 roots, grads, wanted, params, save_weight_paths=not self.checkpoint_activations
@@ -572,7 +656,7 @@ class RankRuntime:
         key = (action.stage, action.microbatch)
         if key not in self._pending_w:
             raise RuntimeError(f"{action} has no matching B before it on rank {self.rank}")
-        self._accumulate(*backward_weight(self._pending_w.pop(key)))
+        accumulate_grads(*backward_weight(self._pending_w.pop(key)))  # into the step's leaves
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,11 +132,15 @@ def test_stuck_stage_times_out_and_its_worker_never_writes_grads(at: int) -> Non
     pipe = _pipe(model, Blocker)
     pipe.step(x, y)  # plan and warm up
     _fill_grads(model)
+    own = [id(p) for p in model.parameters()]
     gate = blocker.arm(at)
     with pytest.raises(TimeoutError) as info:
         pipe.step(x, y)
     # The caller got the error while the stuck worker still computes; the note names it.
     assert gate.entered.is_set() and not gate.release.is_set()
+    # The model holds its own Parameters again, not the step's private leaves.
+    assert [id(p) for p in model.parameters()] == own
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
     assert any("pipeline rank 0 in 0B" in note for note in info.value.__notes__), info.value
     stale = _pipeline_threads()
     assert [t.name for t in stale] == ["hybridpipe-rank0"]

@@ -271,7 +271,8 @@ class DistributedExecutor(Executor):
             try:
                 total = torch.zeros((), dtype=torch.float64, device=ctx.device)
                 pending = self._end_receives(total) if self._tags_match else []
-                result = self.runtime.run_step(inputs, targets, loss_weights)
+                with self.runtime.step_leaves():
+                    result = self.runtime.run_step(inputs, targets, loss_weights)
                 if self.holds_last_stage:
                     losses = [v.to(torch.float64) for v in result.losses.values()]
                     total += torch.stack(losses).sum()
