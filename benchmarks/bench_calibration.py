@@ -28,7 +28,7 @@ from torch.nn import functional as F
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 P, M, BATCH, DIM, BLOCKS = 2, 8, 64, 256, 8
-CAL_STEPS, MEASURED_STEPS = 3, 5
+CAL_STEPS, MEASURED_STEPS = 5, 5
 
 
 def measure_all(pipe_kwargs: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -67,6 +67,22 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 Run = tuple[Callable[[], object], Callable[[], None]]  # (one step, its zero_grad)
+PIPES: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # this case's (Pipeline, x, y)
+
+
+def _fitted(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int = 5) -> dict[str, float]:
+    """The runtime's own time per action and the transfer latency, fitted by calibration to
+    the idle gaps of hybridpipe's measured traces (rank 0 holds the pipeline's trace)."""
+    from pipeline.calibration import calibrate
+
+    traces = []
+    for _ in range(steps):
+        pipe.zero_grad()
+        pipe.step(x, y)
+        traces.append(pipe.trace)
+    cal = calibrate(pipe.schedule, traces)
+    return {"overhead_s": cal.overhead, "latency_s": cal.latency}
+
 
 
 def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]:
@@ -95,6 +111,7 @@ def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]
         stages = split_model(graph, partition(graph, P, "uniform"))
         peer = cls(PipelineStage(stages[rank], rank, P, torch.device("cpu")), m, loss_fn=_loss)
         runs[f"hybridpipe {name}"] = (partial(pipe.step, x, y), pipe.zero_grad)
+        PIPES[f"hybridpipe {name}"] = (pipe, x, y)
         peer_step = partial(peer.step, x) if rank == 0 else partial(peer.step, target=y)
         runs[f"torch {name}"] = (peer_step, stages[rank].zero_grad)
     return runs
@@ -129,7 +146,9 @@ def _worker() -> None:
             results[f"{label} m={m} rows={rows}"] = {
                 "median_s": med, "barrier_s": barrier, "samples_s": samples,
                 "actions_per_rank": 2 * m, "dim": dim, "hidden": hidden, "rows": rows,
+                "fitted": {k: _fitted(*run) for k, run in PIPES.items()},
             }
+            PIPES.clear()
     if rank == 0:
         results[_LOAD] = os.getloadavg()[0]
         Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
@@ -219,6 +238,13 @@ def _report(data: dict[str, Any]) -> str:
             per = (med[run] - res["barrier_s"]) / n - compute
             lines.append(f"- {case}, {run}: {1e6 * per:.0f} us per action ({n} actions per "
                          f"rank; compute {1e6 * compute:.0f} us per action)")
+    lines += ["", "The runtime's own time per action (the gap between two actions of a rank that "
+              "waits for nothing) and the transfer latency, fitted by pipeline.calibration to the "
+              "idle gaps of hybridpipe's traces (5 more steps per run):", ""]
+    for case, res in cases.items():
+        for run, fit in res["fitted"].items():
+            lines.append(f"- {case}, {run}: {1e6 * fit['overhead_s']:.0f} us per action, "
+                         f"latency {1e6 * fit['latency_s']:.0f} us")
     return "\n".join(lines) + "\n"
 
 

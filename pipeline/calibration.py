@@ -5,11 +5,12 @@ into the cost model, from measured step traces.
 From the traces of a few steps (after a warm-up step) of one schedule:
 - per (stage, op) the mean measured action time (Events time compute only), which carries
   the contention of the ranks running side by side;
-- `overhead`: the mean idle gap between two consecutive actions of a rank when the second
-  one's inputs were all made on that rank (bookkeeping, send posting, stream handoffs);
-- `latency`: the mean extra wait for a cross-rank input beyond that overhead.
-Means, not medians: a step's makespan adds durations up, and on a loaded machine the rare
-long ones (a descheduled thread) are a real part of it.
+- `overhead` (the runtime's work between two actions of a rank: bookkeeping, send posting,
+  stream handoffs) and `latency` (the time a tensor takes to reach another rank), fitted to
+  every idle gap between two consecutive actions of a rank (see `_fit_gaps`).
+Within a step means, not medians: a step's makespan adds durations up, and on a loaded
+machine the rare long ones (a descheduled thread) are a real part of it. Across steps the
+median of those means: a whole step slowed by other work on the machine moves it little.
 `calibrated_costs` turns them into `StageCosts` (an unsplit schedule's measured backward is
 divided as the profile divides it) for `pipeline.costs.predict(..., latency=, overhead=)`.
 `measured_node_costs` rescales the profiled node times of each stage to its measured total, for
@@ -19,6 +20,7 @@ calibration pass and held-out steps on a Pipeline and compares (benchmarks and t
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,40 +54,88 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
-def calibrate(schedule: Schedule, traces: Sequence[Timeline]) -> Calibration:
-    """Means over `traces` (measured steps of `schedule`; leave out the first, warm-up one)."""
-    if not traces:
-        raise ValueError("calibrate needs at least one measured trace; run a step first")
+def _fit_gaps(gaps: Sequence[tuple[float, float | None]]) -> tuple[float, float]:
+    """(overhead, latency) fitting every idle gap between two actions of a rank, in the least
+    squares sense, to ``overhead + max(0, slack + latency)``: `slack` is how long after the
+    earlier action's end the later one's last input from another rank was made (None when
+    every input was made on the rank: the gap is then the overhead alone). Between two
+    latencies where a wait starts (-slack) the error is quadratic: its minimum is exact."""
+    if not gaps:
+        return 0.0, 0.0
+
+    def fit(latency: float) -> tuple[float, float]:  # (squared error, best overhead)
+        waits = [0.0 if sl is None else max(0.0, sl + latency) for _, sl in gaps]
+        overhead = _mean([g - w for (g, _), w in zip(gaps, waits, strict=True)])
+        return sum((g - overhead - w) ** 2 for (g, _), w in zip(gaps, waits, strict=True)), overhead
+
+    starts = sorted({0.0, *(max(0.0, -sl) for _, sl in gaps if sl is not None)})
+    candidates = list(starts)
+    for low, high in zip(starts, [*starts[1:], math.inf], strict=True):
+        mid = low + 1.0 if high == math.inf else (low + high) / 2  # the gaps waiting inside
+        active = [sl is not None and sl + mid > 0 for _, sl in gaps]
+        share = _mean([float(a) for a in active])
+        base = _mean([g - (sl if a and sl is not None else 0.0)
+                      for (g, sl), a in zip(gaps, active, strict=True)])
+        d = [g - (sl if a and sl is not None else 0.0) - base
+             for (g, sl), a in zip(gaps, active, strict=True)]
+        e = [share - float(a) for a in active]
+        norm = sum(x * x for x in e)
+        if norm > 0:
+            best = -sum(x * y for x, y in zip(d, e, strict=True)) / norm
+            candidates.append(min(high, max(low, best)))
+    _, overhead, latency = min((*fit(lat), lat) for lat in candidates)
+    return max(0.0, overhead), latency
+
+
+def _one_step(schedule: Schedule, trace: Timeline) -> Calibration:
+    """The means of one measured step, and the overhead and latency its gaps fit."""
     n = schedule.num_stages
     durations: dict[tuple[int, Op], list[float]] = {}
-    gaps: list[float] = []
-    waits: list[float] = []
-    for trace in traces:
-        ends = {(e.stage, e.op, e.microbatch): e.end for e in trace.events}
-        for e in trace.events:
-            durations.setdefault((e.stage, e.op), []).append(e.duration)
-        for rank in range(trace.num_ranks):
-            events = trace.for_rank(rank)
-            for prev, e in zip(events, events[1:], strict=False):
-                inputs = [
-                    (d.stage, d.op, d.microbatch)
-                    for d in dependencies(Action(e.stage, e.op, e.microbatch), n)
-                ]
-                remote = [ends[k] for k in inputs if schedule.placement[k[0]] != rank and k in ends]
-                if not remote:
-                    gaps.append(e.start - prev.end)  # inputs on this rank: ready at prev.end
-                elif max(remote) > prev.end:
-                    waits.append(e.start - max(remote))  # waited for the transfer
-                # (a remote input that ended before prev.end may still have been in flight)
-    overhead = max(0.0, _mean(gaps))
+    gaps: list[tuple[float, float | None]] = []
+    ends = {(e.stage, e.op, e.microbatch): e.end for e in trace.events}
+    for e in trace.events:
+        durations.setdefault((e.stage, e.op), []).append(e.duration)
+    for rank in range(trace.num_ranks):
+        events = trace.for_rank(rank)
+        for prev, e in zip(events, events[1:], strict=False):
+            inputs = [
+                (d.stage, d.op, d.microbatch)
+                for d in dependencies(Action(e.stage, e.op, e.microbatch), n)
+            ]
+            remote = [ends[k] for k in inputs if schedule.placement[k[0]] != rank and k in ends]
+            gaps.append((e.start - prev.end, max(remote) - prev.end if remote else None))
+    overhead, latency = _fit_gaps(gaps)
     per = {key: _mean(v) for key, v in durations.items()}
     return Calibration(
         forward=[per.get((s, Op.F), 0.0) for s in range(n)],
         backward=[per.get((s, Op.B), 0.0) for s in range(n)],
         weight=[per.get((s, Op.W), 0.0) for s in range(n)],
         overhead=overhead,
-        latency=max(0.0, _mean(waits) - overhead),
-        steps=len(traces),
+        latency=latency,
+        steps=1,
+        splits_backward=schedule.splits_backward,
+    )
+
+
+def calibrate(schedule: Schedule, traces: Sequence[Timeline]) -> Calibration:
+    """Per measured step of `schedule` (leave out the first, warm-up one) the means, then
+    across steps the median of each: a step that another process on the machine slowed
+    down moves it little, and a median step is what a prediction is compared with."""
+    if not traces:
+        raise ValueError("calibrate needs at least one measured trace; run a step first")
+    steps = [_one_step(schedule, t) for t in traces]
+    median = statistics.median
+
+    def per_stage(field: str) -> list[float]:
+        return [median(column) for column in zip(*(getattr(c, field) for c in steps), strict=True)]
+
+    return Calibration(
+        forward=per_stage("forward"),
+        backward=per_stage("backward"),
+        weight=per_stage("weight"),
+        overhead=median([c.overhead for c in steps]),
+        latency=median([c.latency for c in steps]),
+        steps=len(steps),
         splits_backward=schedule.splits_backward,
     )
 
@@ -212,27 +262,35 @@ class Check:
 def held_out_check(
     pipe: Any, x: Any, y: Any, calibration_steps: int = 3, measured_steps: int = 5
 ) -> Check | None:
-    """Run 1 warm-up step, `calibration_steps` steps to calibrate on and `measured_steps`
-    held-out steps on `pipe` (a Pipeline; gradients are cleared before each step), and compare.
-    None on a process whose traces are incomplete (under torch.distributed: not rank 0)."""
+    """Run 1 warm-up step, then `calibration_steps` steps to calibrate on and `measured_steps`
+    held-out steps on `pipe` (a Pipeline; gradients are cleared before each step), taking
+    turns (so both sample the machine as it is: other work on a shared machine drifts its
+    speed by more than 10% within seconds), and compare. None on a process whose traces are
+    incomplete (under torch.distributed: not rank 0)."""
     from pipeline.costs import predict
 
-    traces = []
-    for _ in range(1 + calibration_steps + measured_steps):
+    total = calibration_steps + measured_steps
+    held_out = {round((k + 0.5) * total / measured_steps) - 1 for k in range(measured_steps)}
+    calibration: list[Timeline | None] = []
+    measured: list[Timeline | None] = []
+    for i in range(1 + total):
         pipe.zero_grad()
         pipe.step(x, y)
-        traces.append(pipe.trace)
+        if i > 0:
+            (measured if i - 1 in held_out else calibration).append(pipe.trace)
     schedule = pipe.schedule
     ops = 3 if schedule.splits_backward else 2
-    if any(t is None or len(t.events) != ops * schedule.num_stages * schedule.num_microbatches
-           for t in traces):
+    traces = [t for t in (*calibration, *measured)
+              if t is not None and len(t.events) == ops * schedule.num_stages
+              * schedule.num_microbatches]
+    if len(traces) != total:
         return None
-    cal = calibrate(schedule, traces[1:1 + calibration_steps])
+    cal = calibrate(schedule, traces[:calibration_steps])
     costs = calibrated_costs(cal, pipe.profiled_costs())
     calibrated = predict(schedule, costs, latency=cal.latency, overhead=cal.overhead)
     return Check(
         schedule=schedule.name,
-        measured=statistics.median(t.step_time for t in traces[1 + calibration_steps:]),
+        measured=statistics.median(t.step_time for t in traces[calibration_steps:]),
         profiled=pipe.simulate(calibrated=False).step_time,
         calibrated=calibrated.step_time,
         calibration=cal,
