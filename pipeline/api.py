@@ -395,10 +395,12 @@ class Pipeline:
         costs = self.profiled_costs()
         calibration = self.calibration if calibrated else None
         overhead, latency = 0.0, 0.0
+        spread: tuple[float, ...] = ()
         graph = self._planned.graph if self._planned is not None else None
         if calibration is not None:
             costs = calibrated_costs(calibration, costs)
             overhead, latency = calibration.overhead, calibration.latency
+            spread = calibration.spread
             if graph is not None:
                 graph = measured_node_costs(graph, self.plan, costs)
         if comm is not None:
@@ -416,7 +418,7 @@ class Pipeline:
                 )
             balance = self.balance if isinstance(self.balance, str) else "profile"
             costs = costs_for_stages(graph, schedule.num_stages, balance)
-        return predict(schedule, costs, latency=latency, overhead=overhead)
+        return predict(schedule, costs, latency=latency, overhead=overhead, spread=spread)
 
     def _record(self, trace: Timeline) -> None:
         """Keep a complete step trace for calibration (not the first, warm-up step's), and

@@ -39,7 +39,8 @@ class Calibration:
     """Measured means: `forward`, `backward`, `weight` seconds per stage as the runtime ran
     them (backward is input-grad only when the schedule splits it; weight is 0 otherwise),
     `overhead` seconds per action and `latency` seconds per cross-rank input, from `steps`
-    traces."""
+    traces; `spread`: every measured action's time over its step's mean for its stage and op
+    (for `pipeline.costs.predict`)."""
 
     forward: list[float]
     backward: list[float]
@@ -48,6 +49,7 @@ class Calibration:
     latency: float
     steps: int
     splits_backward: bool
+    spread: tuple[float, ...] = ()
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -114,6 +116,7 @@ def _one_step(schedule: Schedule, trace: Timeline) -> Calibration:
         latency=latency,
         steps=1,
         splits_backward=schedule.splits_backward,
+        spread=tuple(d / per[key] for key, ds in durations.items() if per[key] > 0 for d in ds),
     )
 
 
@@ -137,6 +140,7 @@ def calibrate(schedule: Schedule, traces: Sequence[Timeline]) -> Calibration:
         latency=median([c.latency for c in steps]),
         steps=len(steps),
         splits_backward=schedule.splits_backward,
+        spread=tuple(r for c in steps for r in c.spread),
     )
 
 
@@ -226,9 +230,13 @@ def propose_rebalance(
     measured = calibrated_costs(calibration, profiled)
     scaled = measured_node_costs(graph, plan, measured)
     new_plan = partition(scaled, schedule.num_stages, "profile")
-    timing = {"latency": calibration.latency, "overhead": calibration.overhead}
-    before = predict(schedule, measured, **timing).step_time
-    after = predict(schedule, stage_costs(scaled, new_plan), **timing).step_time
+    def step(costs: StageCosts) -> float:
+        return predict(
+            schedule, costs, latency=calibration.latency, overhead=calibration.overhead,
+            spread=calibration.spread,
+        ).step_time
+
+    before, after = step(measured), step(stage_costs(scaled, new_plan))
     gain = 1.0 - after / before if before > 0 else 0.0
     report = Rebalance(
         before=plan.sizes, after=new_plan.sizes, predicted_before=before,
@@ -287,7 +295,9 @@ def held_out_check(
         return None
     cal = calibrate(schedule, traces[:calibration_steps])
     costs = calibrated_costs(cal, pipe.profiled_costs())
-    calibrated = predict(schedule, costs, latency=cal.latency, overhead=cal.overhead)
+    calibrated = predict(
+        schedule, costs, latency=cal.latency, overhead=cal.overhead, spread=cal.spread
+    )
     return Check(
         schedule=schedule.name,
         measured=statistics.median(t.step_time for t in traces[calibration_steps:]),

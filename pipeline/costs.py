@@ -6,6 +6,8 @@ cannot disagree."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -86,13 +88,39 @@ def action_costs(
 
 
 def predict(
-    schedule: Schedule, costs: StageCosts, *, latency: float = 0.0, overhead: float = 0.0
+    schedule: Schedule,
+    costs: StageCosts,
+    *,
+    latency: float = 0.0,
+    overhead: float = 0.0,
+    spread: Sequence[float] = (),
+    replays: int = 31,
 ) -> Timeline:
     """The predicted Timeline of one step: `action_costs` plus `overhead` seconds per action
     (the runtime's own work around each one) and `latency` seconds per cross-rank transfer.
-    Its memory curve is in activation bytes."""
+    Its memory curve is in activation bytes.
+
+    `spread`: measured action times relative to their mean (`Calibration.spread`). A pipeline
+    waits for its slowest actions, so a step of varying actions is longer than one of mean
+    actions; with a spread, `replays` steps are simulated with each action's compute scaled by
+    a draw from it (seeded: the same answer every call) and the median one is returned."""
     f, b, w = _with_overhead(costs, schedule, overhead)
-    return simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)
+    if not spread:
+        return simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)
+    base = action_costs(costs, schedule)
+    draws = random.Random(0)
+
+    def scale(stage: int, op: int, microbatch: int) -> float:
+        compute = base[op][stage]
+        total = compute + overhead
+        return (compute * draws.choice(spread) + overhead) / total if total > 0 else 1.0
+
+    steps = sorted(
+        (simulate(schedule, f, b, w, latency, activation=costs.activation_bytes, scale=scale)
+         for _ in range(replays)),
+        key=lambda t: t.step_time,
+    )
+    return steps[len(steps) // 2]
 
 
 def predict_summary(

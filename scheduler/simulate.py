@@ -3,7 +3,7 @@ executes its actions in order, each starting when the rank is free and its input
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.ir import Op, Schedule
@@ -36,6 +36,7 @@ def simulate(
     bandwidth: float | None = None,
     message_bytes: Cost | None = None,
     activation: Cost | None = None,
+    scale: Callable[[int, int, int], float] | None = None,
 ) -> Timeline:
     """Simulate one step of `schedule` and return its predicted Timeline.
 
@@ -44,7 +45,8 @@ def simulate(
     arrives `comm` after its producer ends, plus `message_bytes[s] / bandwidth` when both are
     given (message_bytes[s]: bytes crossing boundary s -> s+1, activations forward and
     gradients back); same-rank handoffs are free. `activation` (per stage) sizes the memory
-    curve. A schedule that cannot run raises the same ValueError as `validate`.
+    curve. `scale(stage, op, microbatch)` multiplies single actions' costs (e.g. drawn from a
+    measured spread). A schedule that cannot run raises the same ValueError as `validate`.
     """
     n = schedule.num_stages
     f = per_stage(forward, n, "forward")
@@ -64,7 +66,7 @@ def simulate(
         raise ValueError(f"bandwidth={bandwidth} must be > 0 (bytes per time unit)")
     act = per_stage(activation, n, "activation") if activation is not None else None
     check_structure(schedule)
-    times = _execute(schedule, f, b, w, comm, bandwidth, message_bytes)
+    times = _execute(schedule, f, b, w, comm, bandwidth, message_bytes, scale)
     events = tuple(
         Event(rank, a.stage, a.op, a.microbatch, start, end)
         for rank, acts in enumerate(schedule.actions)
@@ -87,6 +89,7 @@ def _execute(
     comm: float,
     bandwidth: float | None,
     message_bytes: Cost | None,
+    scale: Callable[[int, int, int], float] | None = None,
 ) -> list[list[tuple[float, float]]]:
     n = schedule.num_stages
     if schedule.splits_backward:
@@ -102,7 +105,7 @@ def _execute(
         # Activations cross boundary from_stage -> from_stage+1; gradients cross it backwards.
         return delay[min(from_stage, to_stage)]
 
-    return execute(schedule, lambda s, o: costs[s][o], latency)
+    return execute(schedule, lambda s, o: costs[s][o], latency, scale)
 
 
 @dataclass(frozen=True)

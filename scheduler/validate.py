@@ -141,8 +141,11 @@ def execute(
     schedule: Schedule,
     duration: Callable[[int, int], float],
     latency: Callable[[int, int, int], float],
+    scale: Callable[[int, int, int], float] | None = None,
 ) -> list[list[tuple[float, float]]]:
     """Run each rank's list in order; return per rank the (start, end) of each action.
+    `scale(stage, op, microbatch)`, when given, multiplies each action's cost (a replay of
+    measured spread).
 
     An action starts when its rank is free and every input has arrived: `duration(stage, op)`
     gives its cost (op 0/1/2 = F/B/W) and `latency(from_stage, to_stage, op)` the delay of a
@@ -191,7 +194,7 @@ def execute(
             if blocked >= 0:
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            t_free = start + cost[s][o]
+            t_free = start + (cost[s][o] if scale is None else cost[s][o] * scale(s, o, m))
             out.append((start, t_free))
             key = (s * 3 + o) * num_mb + m
             done[key] = t_free

@@ -85,3 +85,27 @@ def test_pipeline_simulate_and_demo_comparison_agree() -> None:
     # A schedule with more stages is predicted on the plan Pipeline would make for it.
     assert by_name["zbv"].events == pipe.simulate("zbv").events
     assert len({e.stage for e in by_name["zbv"].events}) == 4
+
+
+def test_measured_spread_lengthens_the_predicted_step_and_is_reproducible() -> None:
+    """A pipeline waits for its slowest actions: with actions drawn from a spread around their
+    mean the median replayed step is longer than the step of mean actions (1F1B, p=2)."""
+    from pipeline.costs import StageCosts
+
+    costs = StageCosts(
+        forward=[1.0, 1.0], input_grad=[1.0, 1.0], weight_grad=[1.0, 1.0],
+        activation_bytes=[0.0, 0.0], param_bytes=[0.0, 0.0],
+    )
+    schedule = build_schedule("1f1b", 2, 8)
+    mean_step = predict(schedule, costs).step_time
+    assert predict(schedule, costs, spread=(1.0,)).step_time == pytest.approx(mean_step)
+    spread = (0.5, 1.5)  # mean 1: the same total work per rank on average
+    wide = predict(schedule, costs, spread=spread).step_time
+    assert wide > mean_step * 1.05
+    assert predict(schedule, costs, spread=spread).step_time == wide  # seeded
+    # Overhead is not scaled: with no compute the spread changes nothing.
+    idle = StageCosts(**{**costs.__dict__, "forward": [0.0, 0.0], "input_grad": [0.0, 0.0],
+                         "weight_grad": [0.0, 0.0]})
+    assert predict(schedule, idle, overhead=0.1, spread=spread).step_time == pytest.approx(
+        predict(schedule, idle, overhead=0.1).step_time
+    )
