@@ -3,8 +3,9 @@ schedule, in the local executor (threads) and the distributed executor (2 gloo p
 with profiled costs and with costs calibrated from measured traces (pipeline.calibration).
 
 Per schedule (8-block MLP-transformer stack, dim 256, p=2, m=8; 1 thread per rank): one
-warm-up step, CAL_STEPS steps whose traces calibrate the cost model, then MEASURED_STEPS
-held-out steps whose median trace step time is "measured". Errors are predicted / measured - 1.
+warm-up step, then CAL_STEPS steps whose traces calibrate the cost model and MEASURED_STEPS
+held-out steps whose median trace step time is "measured", taking turns (so both see the
+machine as it is). Errors are predicted / measured - 1.
 Writes benchmarks/results/calibration.{md,json}.
 
 Run: .venv/bin/python benchmarks/bench_calibration.py   (it launches its own 2 processes)
@@ -140,9 +141,9 @@ def main() -> None:
         f"{meta['model']}, p={P}, m={M}, batch {BATCH}, 1 thread per rank, on {meta['cpus']} "
         f"shared CPUs (1-min load average {load:.1f} at the start, "
         f"{meta['load_average_end']:.1f} at the end; {meta['date']}). Per schedule: 1 warm-up "
-        f"step, {CAL_STEPS} calibration steps, then the median of {MEASURED_STEPS} held-out "
-        "steps' traces is \"measured\". Command: `.venv/bin/python "
-        "benchmarks/bench_calibration.py`.",
+        f"step, then {CAL_STEPS} calibration steps and {MEASURED_STEPS} held-out steps taking "
+        "turns; the median of the held-out steps' traces is \"measured\". Command: "
+        "`.venv/bin/python benchmarks/bench_calibration.py`.",
         "",
         "## Local executor (one thread per rank)",
         "",
