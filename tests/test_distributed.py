@@ -142,8 +142,10 @@ class Checker:
         from pipeline import Pipeline
 
         self.ref = make_model()
+        # fx capture (0.1 s, export ~2 s a process): these check the executor, whose stages are
+        # the same either way; test_distributed_real.py runs every schedule on export.
         self.pipe = Pipeline(make_model(), stages=pp, schedule=schedule, microbatches=4,
-                             loss_fn=lm_loss, balance="parameters")
+                             loss_fn=lm_loss, balance="parameters", capture_method="fx")
         self.ctx = self.pipe.distributed
         assert self.ctx is not None
         self.dp, self.d = self.ctx.layout.data_parallel, self.ctx.layout.dp_rank
