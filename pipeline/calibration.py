@@ -230,13 +230,10 @@ def propose_rebalance(
     measured = calibrated_costs(calibration, profiled)
     scaled = measured_node_costs(graph, plan, measured)
     new_plan = partition(scaled, schedule.num_stages, "profile")
-    def step(costs: StageCosts) -> float:
-        return predict(
-            schedule, costs, latency=calibration.latency, overhead=calibration.overhead,
-            spread=calibration.spread,
-        ).step_time
-
-    before, after = step(measured), step(stage_costs(scaled, new_plan))
+    # Mean actions (no spread): the choice between two plans should not ride on replay draws.
+    lat, over = calibration.latency, calibration.overhead
+    before = predict(schedule, measured, latency=lat, overhead=over).step_time
+    after = predict(schedule, stage_costs(scaled, new_plan), latency=lat, overhead=over).step_time
     gain = 1.0 - after / before if before > 0 else 0.0
     report = Rebalance(
         before=plan.sizes, after=new_plan.sizes, predicted_before=before,
