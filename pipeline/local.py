@@ -250,12 +250,7 @@ class LocalExecutor(Executor):
         targets: Sequence[Any] | None,
         loss_weights: Sequence[float],
     ) -> StepResult:
-        if self.abort.is_set():
-            self._build_runtimes()  # before entering the new runtimes' leaves
-        with ExitStack() as leaves:
-            for runtime in self.runtimes:
-                leaves.enter_context(runtime.step_leaves())
-            results = self._run(lambda rt: rt.run_step(inputs, targets, loss_weights))
+        results = self._run(lambda rt: rt.run_step(inputs, targets, loss_weights), train=True)
         events = sorted((e for r in results for e in r.events), key=lambda e: e.start)
         losses = [loss for r in results for loss in r.losses.values()]
         total = torch.stack(losses).sum() if losses else None
@@ -269,17 +264,26 @@ class LocalExecutor(Executor):
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         grad = torch.is_grad_enabled()
         count = len(inputs or ())
-        results = self._run(lambda rt: rt.run_forward(inputs, count, grad=grad))
+        results = self._run(lambda rt: rt.run_forward(inputs, count, grad=grad), train=False)
         outputs = {m: out for r in results for m, out in r.outputs.items()}
         return [outputs[m] for m in range(count)]
 
-    def _run(self, job: Callable[[RankRuntime], RankResult]) -> list[RankResult]:
-        """Run `job` on every rank's runtime in its own thread; return per-rank results or
-        re-raise the first (earliest) worker error with its traceback. Returns as soon as a
-        worker fails, no worker started an action for `timeout` s, or the caller is
-        interrupted: the workers are cancelled first."""
+    def _run(self, job: Callable[[RankRuntime], RankResult], *, train: bool) -> list[RankResult]:
+        """Run `job` on every rank's runtime in its own thread (fresh runtimes after a
+        cancelled step; a training step inside every runtime's `step_leaves`, entered here in
+        the caller's thread); return per-rank results or re-raise the first (earliest) worker
+        error with its traceback."""
         if self.abort.is_set():
             self._build_runtimes()
+        with ExitStack() as leaves:
+            if train:
+                for runtime in self.runtimes:
+                    leaves.enter_context(runtime.step_leaves())
+            return self._run_workers(job)
+
+    def _run_workers(self, job: Callable[[RankRuntime], RankResult]) -> list[RankResult]:
+        """Returns as soon as a worker fails, no worker started an action for `timeout` s, or
+        the caller is interrupted: the workers are cancelled first."""
         cancel = self.abort
         for box in self.mailboxes:
             box.items.clear()

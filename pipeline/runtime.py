@@ -192,14 +192,17 @@ def apply_input_grads(
         torch.autograd.backward(roots, grads)
 
 
-def accumulate_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
-    """``p.grad += g`` as autograd's AccumulateGrad does (a fresh copy when `.grad` is None,
-    since `g` may be shared with other gradients or expanded); None grads are skipped."""
+def accumulate_grads(
+    params: Sequence[Tensor], grads: Sequence[Tensor | None], *, owned: bool = False
+) -> None:
+    """``p.grad += g`` as autograd's AccumulateGrad does; None grads are skipped. Where `.grad`
+    is None it becomes a fresh copy of `g` (which may be shared with other gradients or
+    expanded), or `g` itself when the caller `owned` it."""
     pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     adds = [(p.grad, g) for p, g in pairs if p.grad is not None]
     for p, g in pairs:
         if p.grad is None:
-            p.grad = g.detach().clone(memory_format=torch.preserve_format)
+            p.grad = g if owned else g.detach().clone(memory_format=torch.preserve_format)
     if adds:
         torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
 
@@ -248,18 +251,10 @@ class StepLeaves:
 
     def commit(self) -> None:
         """Move the leaves' grads into the parameters' `.grad` (stolen, or added)."""
-        adds: list[tuple[Tensor, Tensor]] = []
-        for p, leaf in self.pairs:
-            g = leaf.grad
-            if g is None:
-                continue
+        grads = [leaf.grad for _, leaf in self.pairs]
+        for _, leaf in self.pairs:
             leaf.grad = None
-            if p.grad is None:
-                p.grad = g
-            else:
-                adds.append((p.grad, g))
-        if adds:
-            torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
+        accumulate_grads([p for p, _ in self.pairs], grads, owned=True)
 
 
 @dataclass(frozen=True, slots=True)

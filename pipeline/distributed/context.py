@@ -69,12 +69,12 @@ class DistContext:
             mesh_dim_names=DIMS,
         )
 
-    @property
+    @cached_property  # DeviceMesh.get_group costs ~0.1 ms a call; the mesh never changes
     def dp_group(self) -> dist.ProcessGroup:
         """This process's gradient group: the replicas of its pipeline rank."""
         return self.mesh.get_group("dp")
 
-    @property
+    @cached_property
     def pp_group(self) -> dist.ProcessGroup:
         """This process's pipeline: the ranks of its replica."""
         return self.mesh.get_group("pp")

@@ -191,15 +191,11 @@ class P2PTransport:
         self._posted: dict[MessageKey, tuple[int, list[Any], list[Tensor]]] = {}
         self._sends: list[_Pending] = []
         self._sender: _Sender | None = None
-        self._group: dist.ProcessGroup | None = None
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """This pipeline's process group (made after setup: see DistContext; kept, since
-        DeviceMesh.get_group costs ~0.1 ms a call)."""
-        if self._group is None:
-            self._group = self.ctx.pp_group
-        return self._group
+        """This pipeline's process group (made after setup: see DistContext)."""
+        return self.ctx.pp_group
 
     def begin(self, shape_key: int, incoming: Mapping[int, Sequence[MessageKey]]) -> None:
         """Start a step whose batch-shape key is `shape_key` (the same on every rank of the
