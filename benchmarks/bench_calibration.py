@@ -29,7 +29,7 @@ from torch.nn import functional as F
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 P, M, BATCH, DIM, BLOCKS = 2, 8, 64, 256, 8
-CAL_STEPS, MEASURED_STEPS = 5, 5
+CAL_STEPS = MEASURED_STEPS = int(os.environ.get("BENCH_STEPS", "15"))
 
 
 def measure_all(pipe_kwargs: dict[str, Any]) -> dict[str, dict[str, float]]:
