@@ -1,11 +1,12 @@
-"""Benchmark: hybridpipe's distributed executor against torch.distributed.pipelining
-(Schedule1F1B and ScheduleGPipe, PipelineStage built by hand from the same stage modules) on 2
-gloo ranks with 1 thread each, the runs interleaved step by step in one launch, for m=8 and
-m=32 microbatches of 8 and of 16 rows of an 8-block MLP-transformer stack; plus one process
-running the same microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p)
-(efficiency = ideal / step time). A second pass with near-zero compute gives the runtime's
-per-action overhead. Next to the ratio of medians it reports
-the per-round ratio torch / hybridpipe (median and quartiles over rounds: the two runs of a round
+"""Benchmark: hybridpipe's distributed executor against torch.distributed.pipelining (Schedule1F1B
+and ScheduleGPipe, PipelineStage built by hand from the same stage modules) on 2 gloo ranks with
+1 thread each, the runs interleaved step by step in one launch, for m=8 and m=32 microbatches of
+8 and of 16 rows of an 8-block MLP-transformer stack; plus one process running the same
+microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p) (efficiency = ideal /
+step time); T_seq is also timed with that run on every rank at once (each on its own copy), as
+the speed of the work when every core is busy, as in a pipeline. A second pass with near-zero
+compute gives the runtime's per-action overhead. Next to the ratio of medians it reports the
+per-round ratio torch / hybridpipe (median and quartiles over rounds: the two runs of a round
 are steps apart, so drift and other load hit both), since two ranks on two shared cores make
 single medians move by about +-10% between runs. Every run's grads are set to None before each
 step (outside the timed part), as a training loop's zero_grad() does: otherwise grads would pile
@@ -46,6 +47,10 @@ CASES = (
     ("near-zero compute", 8, 8, 16),
 )
 _LOAD = "load average (1 min) at the end"
+# The one-process run on every rank at once: the speed of the work with every core busy, as in
+# a pipeline (on this machine two busy cores slow each other by 15-35%: shared L3, memory).
+SIDE_BY_SIDE = "one process per core, side by side"
+BUSY_IDEAL = "ideal, cores busy"
 _LOAD_START = "load average (1 min) at the start"
 
 
@@ -103,7 +108,15 @@ def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]
             for xm, ym in zip(xs, ys, strict=True):
                 (F.mse_loss(single(xm), ym) / m).backward()
 
-    runs: dict[str, Run] = {"one process": (sequential, single.zero_grad)}
+    torch.manual_seed(0)
+    mine = mlp_stack(blocks=8, dim=dim, hidden=hidden)  # each rank's own copy of the model
+
+    def side_by_side() -> None:
+        for xm, ym in zip(xs, ys, strict=True):
+            (F.mse_loss(mine(xm), ym) / m).backward()
+
+    runs: dict[str, Run] = {"one process": (sequential, single.zero_grad),
+                            SIDE_BY_SIDE: (side_by_side, mine.zero_grad)}
     for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
         pipe = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=name,
                         microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
@@ -143,6 +156,7 @@ def _worker() -> None:
             barrier = statistics.median(_timed(lambda: None) for _ in range(20))
             med = {k: statistics.median(v) for k, v in samples.items()}
             med["ideal"] = med["one process"] * (m + P - 1) / (m * P)
+            med[BUSY_IDEAL] = med[SIDE_BY_SIDE] * (m + P - 1) / (m * P)
             results[f"{label} m={m} rows={rows}"] = {
                 "median_s": med, "barrier_s": barrier, "samples_s": samples,
                 "actions_per_rank": 2 * m, "dim": dim, "hidden": hidden, "rows": rows,
@@ -206,15 +220,18 @@ def _report(data: dict[str, Any]) -> str:
         "listed in the JSON and included in every figure). Grads are set to None before every "
         "step (untimed), as zero_grad() in a training loop. "
         "'ideal' = one process x (m + p - 1) / (m p); 'efficiency' = ideal / step time. "
+        f"'{SIDE_BY_SIDE}': every rank runs the one-process step at once on its own copy "
+        f"(the work's speed with every core busy, as in a pipeline); '{BUSY_IDEAL}' = that x "
+        "(m + p - 1) / (m p), and 'efficiency, cores busy' = it / step time. "
         "'per round' = torch's step time / "
         "hybridpipe's in the same round: median [quartiles] over rounds (> 1: hybridpipe "
         "faster).",
         "",
         note,
         "",
-        "| case | run | step ms | vs one process | efficiency | vs torch (same schedule) "
-        "| per round |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| case | run | step ms | vs one process | efficiency | efficiency, cores busy "
+        "| vs torch (same schedule) | per round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     cases = {k: v for k, v in data.items() if isinstance(v, dict)}
     for case, res in cases.items():
@@ -225,7 +242,8 @@ def _report(data: dict[str, Any]) -> str:
                 peer = f"{med['torch ' + run.split()[1]] / t:.2f}x faster"
                 paired = _paired(res, run)
             lines.append(f"| {case} | {run} | {1e3 * t:.2f} | {med['one process'] / t:.2f}x | "
-                         f"{med['ideal'] / t:.2f} | {peer} | {paired} |")
+                         f"{med['ideal'] / t:.2f} | {med[BUSY_IDEAL] / t:.2f} | {peer} | "
+                         f"{paired} |")
     lines += ["", "Per-action runtime overhead with near-zero compute: (step time - barrier) / "
               "actions per rank, minus the compute of one action (one process's time / (2 m p)):",
               ""]
@@ -234,10 +252,13 @@ def _report(data: dict[str, Any]) -> str:
             continue
         med, n = res["median_s"], res["actions_per_rank"]
         compute = med["one process"] / (n * P)
+        busy = med[SIDE_BY_SIDE] / (n * P)
         for run in ("hybridpipe 1f1b", "torch 1f1b", "hybridpipe gpipe", "torch gpipe"):
-            per = (med[run] - res["barrier_s"]) / n - compute
-            lines.append(f"- {case}, {run}: {1e6 * per:.0f} us per action ({n} actions per "
-                         f"rank; compute {1e6 * compute:.0f} us per action)")
+            per = (med[run] - res["barrier_s"]) / n
+            lines.append(f"- {case}, {run}: {1e6 * (per - compute):.0f} us per action ("
+                         f"{1e6 * (per - busy):.0f} us with the compute timed with cores busy; "
+                         f"{n} actions per rank; compute {1e6 * compute:.0f} / {1e6 * busy:.0f} "
+                         "us per action)")
     lines += ["", "The runtime's own time per action (the gap between two actions of a rank that "
               "waits for nothing) and the transfer latency, fitted by pipeline.calibration to the "
               "idle gaps of hybridpipe's traces (5 more steps per run):", ""]
