@@ -30,6 +30,10 @@ from viz import (
     to_chrome_trace,
 )
 
+# Steps per schedule for the cost-model check, calibration and held-out each (taking turns): a
+# step moves +-10-15% on a shared CPU, and the two medians of 2-3 steps landed up to 17% apart.
+CHECK_STEPS = 6
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -88,7 +92,7 @@ def check_schedules(
             microbatches=config.microbatches, loss_fn=lm_loss, example_input=example,
             leaf_modules=(TransformerBlock,),
         )
-        check = held_out_check(pipe, x, y, calibration_steps=2, measured_steps=3)
+        check = held_out_check(pipe, x, y, CHECK_STEPS, CHECK_STEPS)
         if check is not None:
             checks.append(check)
     return checks
@@ -192,8 +196,8 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
     predicted = pipe.simulate()  # calibrated on the last steps' traces
     profiled = pipe.simulate(calibrated=False)
 
-    _say("6. check the cost model on every schedule: predicted (profiled, calibrated on 2 steps)"
-         " vs measured (median of 3 held-out steps)")
+    _say(f"6. check the cost model on every schedule: predicted (profiled, calibrated on "
+         f"{CHECK_STEPS} steps) vs measured (median of {CHECK_STEPS} held-out steps)")
     x, y = batches.next()
     checks = check_schedules(model, x0, x, y, config)
     _say(_check_table(checks))
@@ -280,8 +284,9 @@ def _report(
             "",
             "## The cost model per schedule: predicted vs measured",
             "",
-            "Calibrated on 2 steps' traces (pipeline.calibration), measured = median of the 3 "
-            "held-out steps after them; error = predicted / measured - 1.",
+            f"Calibrated on {CHECK_STEPS} steps' traces (pipeline.calibration), measured = "
+            f"median of {CHECK_STEPS} held-out steps taking turns with them; error = predicted / "
+            "measured - 1.",
             "",
             "```",
             _check_table(checks),
