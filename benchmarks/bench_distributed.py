@@ -1,18 +1,18 @@
 """Benchmark: hybridpipe's distributed executor against torch.distributed.pipelining (Schedule1F1B
-and ScheduleGPipe, PipelineStage built by hand from the same stage modules) on 2 gloo ranks with
-1 thread each, the runs interleaved step by step in one launch, for m=8 and m=32 microbatches of
-8 and of 16 rows of an 8-block MLP-transformer stack; plus one process running the same
-microbatches in sequence, and the analytic ideal T_seq (m + p - 1) / (m p) (efficiency = ideal /
-step time); T_seq is also timed with that run on every rank at once (each on its own copy), as
-the speed of the work when every core is busy, as in a pipeline. A second pass with near-zero
-compute gives the runtime's per-action overhead. Next to the ratio of medians it reports the
-per-round ratio torch / hybridpipe (median and quartiles over rounds: the two runs of a round
-are steps apart, so drift and other load hit both), since two ranks on two shared cores make
-single medians move by about +-10% between runs. Every run's grads are set to None before each
-step (outside the timed part), as a training loop's zero_grad() does: otherwise grads would pile
-up over steps, and Pipeline.step, which sets existing grads aside and adds them back so a failed
-step leaves them untouched, would pay one extra pass over them that training never pays. Writes
-benchmarks/results/distributed.{md,json}.
+and ScheduleGPipe, PipelineStage built by hand from the same stage modules; our 1f1b-eager is
+set against torch's 1F1B) on 2 gloo ranks with 1 thread each, the runs interleaved step by step
+in one launch, for m=8 and m=32 microbatches of 8 and of 16 rows of an 8-block MLP-transformer
+stack; plus one process running the same microbatches in sequence, and the analytic ideal T_seq
+(m + p - 1) / (m p) (efficiency = ideal / step time); T_seq is also timed with that run on every
+rank at once (each on its own copy), as the speed of the work when every core is busy, as in a
+pipeline. A second pass with near-zero compute gives the runtime's per-action overhead. Next to
+the ratio of medians it reports the per-round ratio torch / hybridpipe (median and quartiles
+over rounds: the two runs of a round are steps apart, so drift and other load hit both), since
+two ranks on two shared cores make single medians move by about +-10% between runs. Every run's
+grads are set to None before each step (outside the timed part), as a training loop's
+zero_grad() does: otherwise grads would pile up over steps, and Pipeline.step, which sets
+existing grads aside and adds them back so a failed step leaves them untouched, would pay one
+extra pass over them that training never pays. Writes benchmarks/results/distributed.{md,json}.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes;
 BENCH_CASES=compute or BENCH_CASES=near-zero runs one pass only, BENCH_REPEATS sets the rounds)
@@ -50,6 +50,7 @@ _LOAD = "load average (1 min) at the end"
 # The one-process run on every rank at once: the speed of the work with every core busy, as in
 # a pipeline (on this machine two busy cores slow each other by 15-35%: shared L3, memory).
 SIDE_BY_SIDE = "one process per core, side by side"
+EAGER = "1f1b-eager"
 BUSY_IDEAL = "ideal, cores busy"
 _LOAD_START = "load average (1 min) at the start"
 
@@ -127,7 +128,18 @@ def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]
         PIPES[f"hybridpipe {name}"] = (pipe, x, y)
         peer_step = partial(peer.step, x) if rank == 0 else partial(peer.step, target=y)
         runs[f"torch {name}"] = (peer_step, stages[rank].zero_grad)
+    # 1F1B with one more warm-up forward on rank 0 (hides a transfer's latency; torch has no
+    # such schedule, so it is compared with torch's 1F1B).
+    eager = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=EAGER,
+                     microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
+    runs[f"hybridpipe {EAGER}"] = (partial(eager.step, x, y), eager.zero_grad)
+    PIPES[f"hybridpipe {EAGER}"] = (eager, x, y)
     return runs
+
+
+def _peer(run: str) -> str:
+    """The torch run a hybridpipe run is compared with (same schedule; 1F1B for the eager one)."""
+    return "torch " + run.split()[1].removesuffix("-eager")
 
 
 def _worker() -> None:
@@ -202,7 +214,7 @@ def _load_note(data: dict[str, Any]) -> str:
 
 def _paired(res: dict[str, Any], run: str) -> str:
     """Quartiles over rounds of torch's step time / hybridpipe's in the same round."""
-    ours, peer = res["samples_s"][run], res["samples_s"]["torch " + run.split()[1]]
+    ours, peer = res["samples_s"][run], res["samples_s"][_peer(run)]
     q1, q2, q3 = statistics.quantiles([p / o for o, p in zip(ours, peer, strict=True)], n=4)
     return f"{q2:.2f}x [{q1:.2f}-{q3:.2f}]"
 
@@ -223,7 +235,8 @@ def _report(data: dict[str, Any]) -> str:
         f"'{SIDE_BY_SIDE}': every rank runs the one-process step at once on its own copy "
         f"(the work's speed with every core busy, as in a pipeline); '{BUSY_IDEAL}' = that x "
         "(m + p - 1) / (m p), and 'efficiency, cores busy' = it / step time. "
-        "'per round' = torch's step time / "
+        f"'hybridpipe {EAGER}' (1F1B with one more warm-up forward on rank 0) is compared with "
+        "torch's 1F1B (torch has no such schedule). 'per round' = torch's step time / "
         "hybridpipe's in the same round: median [quartiles] over rounds (> 1: hybridpipe "
         "faster).",
         "",
@@ -239,7 +252,7 @@ def _report(data: dict[str, Any]) -> str:
         for run, t in med.items():
             peer = paired = ""
             if run.startswith("hybridpipe"):
-                peer = f"{med['torch ' + run.split()[1]] / t:.2f}x faster"
+                peer = f"{med[_peer(run)] / t:.2f}x faster"
                 paired = _paired(res, run)
             lines.append(f"| {case} | {run} | {1e3 * t:.2f} | {med['one process'] / t:.2f}x | "
                          f"{med['ideal'] / t:.2f} | {med[BUSY_IDEAL] / t:.2f} | {peer} | "
@@ -253,7 +266,8 @@ def _report(data: dict[str, Any]) -> str:
         med, n = res["median_s"], res["actions_per_rank"]
         compute = med["one process"] / (n * P)
         busy = med[SIDE_BY_SIDE] / (n * P)
-        for run in ("hybridpipe 1f1b", "torch 1f1b", "hybridpipe gpipe", "torch gpipe"):
+        for run in ("hybridpipe 1f1b", f"hybridpipe {EAGER}", "torch 1f1b", "hybridpipe gpipe",
+                    "torch gpipe"):
             per = (med[run] - res["barrier_s"]) / n
             lines.append(f"- {case}, {run}: {1e6 * (per - compute):.0f} us per action ("
                          f"{1e6 * (per - busy):.0f} us with the compute timed with cores busy; "

@@ -88,9 +88,9 @@ class Pipeline:
     with one worker thread per pipeline rank, each on its device (``devices``; by default CUDA
     devices when there are at least ``stages``, else CPU).
 
-    - ``schedule``: a name from ``scheduler.SCHEDULES`` ("gpipe", "1f1b", "interleaved-1f1b",
-      "zb-h1", "zb-h2", "zbv", "dualpipev"), a ``scheduler.Schedule`` or the path of a
-      schedule text file
+    - ``schedule``: a name from ``scheduler.SCHEDULES`` ("gpipe", "1f1b", "1f1b-eager",
+      "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"), a ``scheduler.Schedule`` or
+      the path of a schedule text file
       (``Schedule.to_text`` form); custom schedules are validated before anything runs.
     - ``virtual_stages``: model chunks per rank (default 2 for interleaved-1f1b, zbv and
       dualpipev, else 1).

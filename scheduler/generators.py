@@ -92,6 +92,29 @@ def one_f_one_b(ranks: int, microbatches: int, virtual_stages: int = 1) -> Sched
     return _schedule("1f1b", ranks, ranks, microbatches, list(range(ranks)), acts, False)
 
 
+def eager_1f1b(ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """1F1B with one more warm-up forward on every rank but the last (p-i on rank i < p-1;
+    the last rank's backward needs nobody): each activation leaves one slot before the next
+    rank needs it, so a transfer's latency L is hidden where 1F1B pays about L per
+    microbatch in its steady state (its next forward is sent only after the backward that
+    waits on the next rank). Peak held activations on rank i < p-1: min(p-i+1, m), one more
+    than 1F1B.
+
+    p=2, m=4::
+
+        0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+        1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+
+    Unit costs without latency: the same step time as 1F1B.
+    """
+    _one_virtual_stage("1f1b-eager", virtual_stages)
+    acts = [
+        [Action(r, op, k) for op, k in _fb_order(ranks - r if r < ranks - 1 else 0, microbatches)]
+        for r in range(ranks)
+    ]
+    return _schedule("1f1b-eager", ranks, ranks, microbatches, list(range(ranks)), acts, False)
+
+
 def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC21): v chunks per rank, stage s on
     rank s % p. Microbatches go in groups of p; within a group each chunk runs the whole group
@@ -392,6 +415,7 @@ def dualpipev(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedul
 SCHEDULES: dict[str, Generator] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "1f1b-eager": eager_1f1b,
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,

@@ -256,14 +256,15 @@ def worker_matrix(out: Path) -> None:
 
 
 def worker_schedules(out: Path) -> None:
-    """world 2: pp=2 with all seven schedules, and pp=1 dp=2 (small gradient buckets); a batch
+    """world 2: pp=2 with every schedule, and pp=1 dp=2 (small gradient buckets); a batch
     whose shape changes between steps; forward; the trace gathered on rank 0."""
     import torch.distributed as dist
 
     from pipeline import Pipeline
+    from scheduler import SCHEDULES
 
     _init()
-    for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev"):
+    for schedule in sorted(SCHEDULES):
         Checker(2, schedule).train(10)
     import pipeline.distributed.gradsync
 

@@ -36,6 +36,7 @@ SIZES = [(p, m) for p in (1, 2, 4) for m in (1, 3, 8)]
 STRUCTURE: dict[str, tuple[int, bool, Callable[[int, int], int]]] = {
     "gpipe": (1, False, lambda stage, p: stage),
     "1f1b": (1, False, lambda stage, p: stage),
+    "1f1b-eager": (1, False, lambda stage, p: stage),
     "interleaved-1f1b": (2, False, lambda stage, p: stage % p),  # Megatron: round robin
     "zb-h1": (1, True, lambda stage, p: stage),
     "zb-h2": (1, True, lambda stage, p: stage),

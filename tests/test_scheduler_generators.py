@@ -20,6 +20,11 @@ EXPECTED = {
 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3
 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
 """,
+    ("1f1b-eager", 3, 4, 1): """
+0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3
+1F0 1F1 1F2 1B0 1F3 1B1 1B2 1B3
+2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
+""",
     ("zb-h1", 3, 4, 1): """
 0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3
 1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
@@ -154,6 +159,20 @@ def test_interleaved_closed_forms(p: int, v: int, m: int) -> None:
         assert _peak_held(s.actions[0], Op.B) == (v - 1) * p + 2 * p - 1
 
 
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p in (1, 2, 3, 5) for m in (1, 2, p, 2 * p + 3)])
+def test_eager_1f1b_closed_forms(p: int, m: int) -> None:
+    """Eager 1F1B: rank r < p-1 runs p-r warm-up forwards (1F1B: p-r-1), the last rank none,
+    then F/B pairs and the drain; peak held activations min(p-r+1, m), the last rank 1."""
+    s = build_schedule("1f1b-eager", p, m)
+    for r in range(p):
+        warm = min(p - r if r < p - 1 else 0, m)
+        ops = "".join(a.op.value for a in s.actions[r])
+        assert ops == "F" * warm + "FB" * (m - warm) + "B" * warm, r
+        assert [a.microbatch for a in s.actions[r] if a.op is Op.F] == list(range(m))
+        assert [a.microbatch for a in s.actions[r] if a.op is Op.B] == list(range(m))
+        assert _peak_held(s.actions[r], Op.B) == min(warm + 1, m)
+
+
 ZBV_SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (2 * p - 1, 2 * p, 2 * p + 3, 4 * p + 1)]
 
 
@@ -192,7 +211,7 @@ def test_zbv_closed_forms(p: int, m: int) -> None:
 
 def test_registry_names() -> None:
     assert sorted(SCHEDULES) == sorted(
-        ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+        ["gpipe", "1f1b", "1f1b-eager", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
     )
 
 
@@ -203,7 +222,7 @@ def test_placements_and_sizes() -> None:
     v = build_schedule("zbv", 4, 8)
     assert v.placement == (0, 1, 2, 3, 3, 2, 1, 0)
     assert v.stages_of(1) == [1, 6] and v.splits_backward
-    for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+    for name in ("gpipe", "1f1b", "1f1b-eager", "zb-h1", "zb-h2"):
         s = build_schedule(name, 3, 5)
         assert s.placement == (0, 1, 2) and s.num_microbatches == 5
         assert s.splits_backward == name.startswith("zb")
@@ -212,7 +231,7 @@ def test_placements_and_sizes() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("pipedream", 2, 4), "choose one of ['1f1b', 'dualpipev', 'gpipe', 'interleaved-1f1b'"),
+        (("pipedream", 2, 4), "choose one of ['1f1b', '1f1b-eager', 'dualpipev', 'gpipe'"),
         (("1f1b", 0, 4), "ranks must be >= 1, got 0"),
         (("gpipe", 2, 0), "microbatches must be >= 1, got 0"),
         (("1f1b", 2, 4, 2), "got virtual_stages=2"),

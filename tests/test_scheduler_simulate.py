@@ -74,6 +74,23 @@ def test_gpipe_and_1f1b_unit_costs(p: int) -> None:
         assert peaks == tuple(min(p - i, m) for i in range(p))  # [p, p-1, ..., 1] when m >= p
 
 
+@pytest.mark.parametrize("p", P_RANGE)
+def test_eager_1f1b_costs(p: int) -> None:
+    """Without latency eager 1F1B takes 1F1B's step; it holds one more activation on every rank
+    but the last; with latency it is never slower (p=2: 2 floor((m-1)/2) L faster, the L per
+    steady-state microbatch that 1F1B pays)."""
+    for m in M_RANGE:
+        eager, plain = build_schedule("1f1b-eager", p, m), build_schedule("1f1b", p, m)
+        t = simulate(eager, 1, 2)
+        assert t.step_time == 3 * (m + p - 1), (p, m)
+        assert t.peak_inflight == tuple(min(p - i + 1 if i < p - 1 else 1, m) for i in range(p))
+        for latency in (0.1, 0.3):
+            slow, fast = (simulate(x, 1, 2, comm=latency).step_time for x in (plain, eager))
+            assert fast <= slow + 1e-9, (p, m, latency)
+            if p == 2 and m >= 2:
+                assert slow - fast == pytest.approx(2 * ((m - 1) // 2) * latency), (m, latency)
+
+
 @pytest.mark.parametrize("v", [2, 3])
 @pytest.mark.parametrize("p", P_RANGE)
 def test_interleaved_bubble(p: int, v: int) -> None:
