@@ -85,11 +85,18 @@ def one_f_one_b(ranks: int, microbatches: int, virtual_stages: int = 1) -> Sched
 
     Unit costs: same step time and bubble as GPipe for m >= p, with far less memory.
     """
-    _one_virtual_stage("1f1b", virtual_stages)
+    return _flush_1f1b("1f1b", ranks, microbatches, virtual_stages, lambda r: ranks - r - 1)
+
+
+def _flush_1f1b(
+    name: str, ranks: int, microbatches: int, virtual_stages: int, warmup: Callable[[int], int]
+) -> Schedule:
+    """A one-stage-per-rank 1F1B whose rank r runs `warmup(r)` warm-up forwards."""
+    _one_virtual_stage(name, virtual_stages)
     acts = [
-        [Action(r, op, k) for op, k in _fb_order(ranks - r - 1, microbatches)] for r in range(ranks)
+        [Action(r, op, k) for op, k in _fb_order(warmup(r), microbatches)] for r in range(ranks)
     ]
-    return _schedule("1f1b", ranks, ranks, microbatches, list(range(ranks)), acts, False)
+    return _schedule(name, ranks, ranks, microbatches, list(range(ranks)), acts, False)
 
 
 def eager_1f1b(ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -107,12 +114,10 @@ def eager_1f1b(ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedu
 
     Unit costs without latency: the same step time as 1F1B.
     """
-    _one_virtual_stage("1f1b-eager", virtual_stages)
-    acts = [
-        [Action(r, op, k) for op, k in _fb_order(ranks - r if r < ranks - 1 else 0, microbatches)]
-        for r in range(ranks)
-    ]
-    return _schedule("1f1b-eager", ranks, ranks, microbatches, list(range(ranks)), acts, False)
+    return _flush_1f1b(
+        "1f1b-eager", ranks, microbatches, virtual_stages,
+        lambda r: ranks - r if r < ranks - 1 else 0,
+    )
 
 
 def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
