@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 
+from pipeline import demo
 from pipeline.cli import main
 from pipeline.demo import DemoConfig, run_demo
 from pipeline.textdata import TokenBatches, stdlib_corpus
@@ -41,9 +43,20 @@ def test_demo_writes_every_file_and_loss_falls(tmp_path: Path) -> None:
     assert "## Plan for 8 devices" in report and summary["worst_calibrated_error"] >= 0
 
 
-def test_demo_cli_runs_a_one_step_demo(tmp_path: Path) -> None:
-    assert main(["demo", "--out", str(tmp_path), "--steps", "1", "--microbatches", "2"]) == 0
+def test_demo_cli_runs_a_one_step_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The command's own path at the tiny size (the default model's cost checks take ~30 s):
+    # the flags must reach the run, as the trace and the report show.
+    monkeypatch.setattr(demo, "DemoConfig", functools.partial(
+        DemoConfig, dim=32, layers=2, heads=2, seq_len=16, batch_size=8))
+    monkeypatch.setattr(demo, "CHECK_STEPS", 2)
+    argv = ["demo", "--out", str(tmp_path), "--steps", "1", "--microbatches", "2",
+            "--stages", "3", "--schedule", "gpipe"]
+    assert main(argv) == 0
     assert json.loads((tmp_path / "summary.json").read_text())["loss_first"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == 3 * 2 * 2  # 3 ranks x 2 microbatches x (F, B)
+    assert "gpipe" in (tmp_path / "report.md").read_text()
 
 
 def test_demo_cli_rejects_unknown_schedule(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,8 +4,10 @@ placement of the tie (loop, interleaved, V), an SGD step
 (two for 1F1B) gives the single-process loss and every gathered gradient (float64, 1e-9), and
 the gathered state_dict has the model's own keys and values (so the tied copies stayed equal).
 
-One launch loops over every case (starting a process with torch costs seconds). This file is
-also the worker: ``python tests/test_distributed_real.py tied OUT_DIR``."""
+One launch loops over every case (starting a process with torch costs seconds), on one model
+per pipeline size given back its initial tensors before each case, so each process exports GPT-2
+once per size (`tests.capture_memo`; export took most of this test's time). This file is also
+the worker: ``python tests/test_distributed_real.py tied OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -29,22 +31,32 @@ def _batch(step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]
     return SPECS["gpt2"].batch(rows, 8)
 
 
+def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
 def worker_tied(out: Path) -> None:
     import torch.distributed as dist
 
-    from pipeline import Pipeline
+    from pipeline import Pipeline, planner
     from pipeline.checkpoint import gather_named
+    from tests.capture_memo import memo_capture
     from tests.real_models import SPECS, build
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    planner.capture = memo_capture()  # type: ignore[assignment]
     loss_fn = SPECS["gpt2"].loss_fn
     for pp in (2, 4):
+        model = build("gpt2")
+        initial = {k: t.detach().clone() for k, t in _tensors(model)}
         # At pp=4 one schedule per placement of the tie: loop (1f1b, two steps), interleaved,
         # V (stage 0 and the last on one rank); pp=2 x dp=2 runs all of them (suite time).
         for schedule in sorted(SCHEDULES) if pp == 2 else ["1f1b", "interleaved-1f1b", "zbv"]:
             label = f"pp={pp} {schedule}"
-            ref, model = build("gpt2"), build("gpt2")
+            ref = build("gpt2")
+            for k, t in _tensors(model):  # the executor freed the others' stages' tensors
+                t.data = initial[k].clone()
             pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=2 * pp,
                             loss_fn=loss_fn, balance="parameters")
             ctx = pipe.distributed

@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import pytest
 import torch
 import torchvision
@@ -22,12 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
-from torch.utils._pytree import tree_leaves, tree_structure
 
-import partitioner
 from pipeline import Pipeline, planner
 from pipeline.models import GPT, SkipNet
 from scheduler import SCHEDULES, Action, Op
+from tests.capture_memo import memo_capture
 
 ATOL = 1e-10
 SIZES = [(p, m) for p in (1, 2, 4) for m in (1, 3, 8)]
@@ -151,7 +149,7 @@ def cases() -> dict[str, Case]:
     return {name: make() for name, make in MODELS.items()}
 
 
-_CAPTURED: dict[tuple[Any, ...], nx.DiGraph] = {}
+_CAPTURE = memo_capture()  # one memo for the whole matrix
 
 
 @pytest.fixture
@@ -159,17 +157,7 @@ def capture_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The schedule x size matrix runs each model's capture once per example shape (torch.export
     takes ~2 s a call on resnet18, most of this file's time): every Pipeline still partitions,
     splits and runs a copy of the real captured graph (capture has its own tests)."""
-
-    def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                **options: Any) -> nx.DiGraph:
-        leaves = tree_leaves((args, kwargs))
-        key = (id(model), str(tree_structure((args, kwargs))), repr(sorted(options.items())),
-               tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
-        if key not in _CAPTURED:
-            _CAPTURED[key] = partitioner.capture(model, args, kwargs, **options)
-        return _CAPTURED[key].copy()
-
-    monkeypatch.setattr(planner, "capture", capture)
+    monkeypatch.setattr(planner, "capture", _CAPTURE)
 
 
 @pytest.mark.usefixtures("capture_once")
