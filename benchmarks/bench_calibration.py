@@ -60,6 +60,7 @@ def measure_all(pipe_kwargs: dict[str, Any]) -> dict[str, dict[str, float]]:
             "calibrated_error": check.calibrated_error,
             "overhead_s": check.calibration.overhead,
             "latency_s": check.calibration.latency,
+            "step_noise": check.step_noise,
         }
     return rows
 
@@ -102,14 +103,15 @@ def table(rows: dict[str, dict[str, float]]) -> list[str]:
     ms = 1e3
     lines = [
         "| schedule | measured ms | predicted, profiled ms (error) | predicted, calibrated ms "
-        "(error) | overhead ms/action | latency ms |",
-        "|---|---|---|---|---|---|",
+        "(error) | step noise | overhead ms/action | latency ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         lines.append(
             f"| {name} | {r['measured_s'] * ms:.1f} | {r['profiled_s'] * ms:.1f} "
             f"({r['profiled_error']:+.1%}) | {r['calibrated_s'] * ms:.1f} "
-            f"({r['calibrated_error']:+.1%}) | {r['overhead_s'] * ms:.2f} | "
+            f"({r['calibrated_error']:+.1%}) | +-{r['step_noise']:.1%} | "
+            f"{r['overhead_s'] * ms:.2f} | "
             f"{r['latency_s'] * ms:.2f} |"
         )
     return lines
@@ -142,7 +144,8 @@ def main() -> None:
         f"shared CPUs (1-min load average {load:.1f} at the start, "
         f"{meta['load_average_end']:.1f} at the end; {meta['date']}). Per schedule: 1 warm-up "
         f"step, then {CAL_STEPS} calibration steps and {MEASURED_STEPS} held-out steps taking "
-        "turns; the median of the held-out steps' traces is \"measured\". Command: "
+        "turns; the median of the held-out steps' traces is \"measured\"; step noise = half "
+        "their interquartile range over that median. Command: "
         "`.venv/bin/python benchmarks/bench_calibration.py`.",
         "",
         "## Local executor (one thread per rank)",

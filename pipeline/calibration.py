@@ -247,13 +247,16 @@ def propose_rebalance(
 class Check:
     """A held-out check of the cost model on one schedule: the median measured step (trace
     makespan) of the held-out steps, the prediction from profiled costs, and the one from costs
-    calibrated on the steps before them."""
+    calibrated on the steps taking turns with them; `step_noise`: half the interquartile range
+    of the held-out step times over their median (how far one step strays from the median on
+    this machine: an error within a few times it / sqrt(steps) is noise, not the model)."""
 
     schedule: str
     measured: float
     profiled: float
     calibrated: float
     calibration: Calibration
+    step_noise: float
 
     @property
     def profiled_error(self) -> float:
@@ -295,10 +298,13 @@ def held_out_check(
     calibrated = predict(
         schedule, costs, latency=cal.latency, overhead=cal.overhead, spread=cal.spread
     )
+    held = [t.step_time for t in traces[calibration_steps:]]
+    q1, median, q3 = statistics.quantiles(held, n=4) if len(held) > 1 else [held[0]] * 3
     return Check(
         schedule=schedule.name,
-        measured=statistics.median(t.step_time for t in traces[calibration_steps:]),
+        measured=statistics.median(held),
         profiled=pipe.simulate(calibrated=False).step_time,
         calibrated=calibrated.step_time,
         calibration=cal,
+        step_noise=(q3 - q1) / (2 * median) if median > 0 else 0.0,
     )

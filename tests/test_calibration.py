@@ -4,6 +4,7 @@ constructed traces, and end to end on a Pipeline whose stages are far out of bal
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from partitioner import capture, partition
 from pipeline import Pipeline
-from pipeline.calibration import calibrate, calibrated_costs, propose_rebalance
+from pipeline.calibration import calibrate, calibrated_costs, held_out_check, propose_rebalance
 from pipeline.costs import predict, stage_costs
 from pipeline.models import ResidualMLP, mlp_stack
 from scheduler import Op, Timeline, build_schedule, simulate
@@ -107,3 +108,33 @@ def test_pipeline_calibrates_and_rebalances_a_lopsided_plan() -> None:
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-10, rtol=0)
     assert {e.op for e in calibrated.events} == {Op.F, Op.B}
+
+
+def test_held_out_check_takes_turns_and_reports_the_step_noise() -> None:
+    """After one warm-up step, held-out and calibration steps alternate (3 + 3: the 1st, 3rd
+    and 5th are held out); "measured" is the held-out steps' median, the step noise half their
+    interquartile range over it, and the calibrated prediction comes from the other steps."""
+    torch.manual_seed(0)
+    model = mlp_stack(blocks=4, dim=32)
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    pipe = Pipeline(model, 2, microbatches=4, loss_fn=F.mse_loss, example_input=x)
+    traces: list[Timeline] = []
+    step = pipe.step
+
+    def recording_step(*args: object) -> torch.Tensor:
+        loss = step(*args)
+        assert pipe.trace is not None
+        traces.append(pipe.trace)
+        return loss
+
+    pipe.step = recording_step  # type: ignore[method-assign]
+    check = held_out_check(pipe, x, y, calibration_steps=3, measured_steps=3)
+    assert check is not None and len(traces) == 7
+    held = sorted(t.step_time for t in (traces[1], traces[3], traces[5]))
+    assert check.measured == held[1]
+    q1, median, q3 = statistics.quantiles(held, n=4)
+    assert check.step_noise == pytest.approx((q3 - q1) / (2 * median))
+    cal = calibrate(pipe.schedule, [traces[2], traces[4], traces[6]])
+    expected = predict(pipe.schedule, calibrated_costs(cal, pipe.profiled_costs()),
+                       latency=cal.latency, overhead=cal.overhead, spread=cal.spread)
+    assert check.calibrated == pytest.approx(expected.step_time)

@@ -32,6 +32,7 @@ def test_demo_writes_every_file_and_loss_falls(tmp_path: Path) -> None:
     assert EXPECTED <= {p.name for p in tmp_path.iterdir()}
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["predicted_step_time_s"] > 0 and summary["trace_step_time_s"] > 0
+    assert 1 <= summary["trace_steps"] < config.steps  # the steps it was calibrated on
     trace = json.loads((tmp_path / "trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     # 2 ranks x 4 microbatches x (F, B) under 1f1b
