@@ -33,8 +33,8 @@ from viz import (
 
 # Steps per schedule for the cost-model check, calibration and held-out each (taking turns): a
 # step moves +-10-15% on a shared CPU: the two medians of 2-3 steps landed up to 17% apart, of 6
-# steps up to 10.6% (interleaved-1f1b in one of three demo runs).
-CHECK_STEPS = 10
+# steps up to 10.6%, of 10 steps up to 12.6% (one schedule of eight, in two of four demo runs).
+CHECK_STEPS = 20
 
 
 @dataclass(frozen=True)
