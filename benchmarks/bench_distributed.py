@@ -12,7 +12,9 @@ two ranks on two shared cores make single medians move by about +-10% between ru
 grads are set to None before each step (outside the timed part), as a training loop's
 zero_grad() does: otherwise grads would pile up over steps, and Pipeline.step, which sets
 existing grads aside and adds them back so a failed step leaves them untouched, would pay one
-extra pass over them that training never pays. Writes benchmarks/results/distributed.{md,json}.
+extra pass over them that training never pays. Per hybridpipe run it also checks the cost
+model: the calibrated prediction against held-out steps (pipeline.calibration).
+Writes benchmarks/results/distributed.{md,json}.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes;
 BENCH_CASES=compute or BENCH_CASES=near-zero runs one pass only, BENCH_REPEATS sets the rounds)
@@ -78,17 +80,17 @@ PIPES: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # this case's (Pi
 
 def _fitted(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int = 5) -> dict[str, float]:
     """The runtime's own time per action and the transfer latency, fitted by calibration to
-    the idle gaps of hybridpipe's measured traces (rank 0 holds the pipeline's trace)."""
-    from pipeline.calibration import calibrate
+    the idle gaps of hybridpipe's measured traces (rank 0 holds the pipeline's trace), and the
+    cost model's check: the step predicted from costs calibrated on `steps` steps against the
+    median of `steps` held-out steps taking turns with them (empty on other ranks)."""
+    from pipeline.calibration import held_out_check
 
-    traces = []
-    for _ in range(steps):
-        pipe.zero_grad()
-        pipe.step(x, y)
-        traces.append(pipe.trace)
-    cal = calibrate(pipe.schedule, traces)
-    return {"overhead_s": cal.overhead, "latency_s": cal.latency}
-
+    check = held_out_check(pipe, x, y, steps, steps)
+    if check is None:
+        return {}
+    return {"overhead_s": check.calibration.overhead, "latency_s": check.calibration.latency,
+            "measured_s": check.measured, "calibrated_s": check.calibrated,
+            "calibrated_error": check.calibrated_error, "step_noise": check.step_noise}
 
 
 def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]:
@@ -273,13 +275,20 @@ def _report(data: dict[str, Any]) -> str:
                          f"{1e6 * (per - busy):.0f} us with the compute timed with cores busy; "
                          f"{n} actions per rank; compute {1e6 * compute:.0f} / {1e6 * busy:.0f} "
                          "us per action)")
-    lines += ["", "The runtime's own time per action (the gap between two actions of a rank that "
-              "waits for nothing) and the transfer latency, fitted by pipeline.calibration to the "
-              "idle gaps of hybridpipe's traces (5 more steps per run):", ""]
+    lines += ["", "The cost model per hybridpipe run (pipeline.calibration.held_out_check, 10 more "
+              "steps per run: 5 to calibrate on, 5 held out, taking turns): the runtime's own "
+              "time per action (the gap between two actions of a rank that waits for nothing) "
+              "and the transfer latency fitted to the idle gaps of the traces, and the step "
+              "predicted from the calibrated costs against the held-out steps' median trace "
+              "(step noise: half their interquartile range over the median):", "",
+              "| case | run | overhead us/action | latency us | measured ms | predicted ms "
+              "| error | step noise |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for case, res in cases.items():
         for run, fit in res["fitted"].items():
-            lines.append(f"- {case}, {run}: {1e6 * fit['overhead_s']:.0f} us per action, "
-                         f"latency {1e6 * fit['latency_s']:.0f} us")
+            lines.append(f"| {case} | {run} | {1e6 * fit['overhead_s']:.0f} | "
+                         f"{1e6 * fit['latency_s']:.0f} | {1e3 * fit['measured_s']:.1f} | "
+                         f"{1e3 * fit['calibrated_s']:.1f} | {fit['calibrated_error']:+.1%} | "
+                         f"+-{fit['step_noise']:.1%} |")
     return "\n".join(lines) + "\n"
 
 
