@@ -33,10 +33,13 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from pipeline.costs import StageCosts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,17 +78,20 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 Run = tuple[Callable[[], object], Callable[[], None]]  # (one step, its zero_grad)
-PIPES: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # this case's (Pipeline, x, y)
+# This case's (Pipeline, x, y, profiled stage costs on rank 0).
+PIPES: dict[str, tuple[Any, torch.Tensor, torch.Tensor, StageCosts | None]] = {}
 
 
-def _fitted(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int = 5) -> dict[str, float]:
+def _fitted(
+    pipe: Any, x: torch.Tensor, y: torch.Tensor, costs: StageCosts | None, steps: int = 5
+) -> dict[str, float]:
     """The runtime's own time per action and the transfer latency, fitted by calibration to
     the idle gaps of hybridpipe's measured traces (rank 0 holds the pipeline's trace), and the
     cost model's check: the step predicted from costs calibrated on `steps` steps against the
     median of `steps` held-out steps taking turns with them (empty on other ranks)."""
     from pipeline.calibration import held_out_check
 
-    check = held_out_check(pipe, x, y, steps, steps)
+    check = held_out_check(pipe, x, y, steps, steps, costs)
     if check is None:
         return {}
     return {"overhead_s": check.calibration.overhead, "latency_s": check.calibration.latency,
@@ -93,12 +99,22 @@ def _fitted(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int = 5) -> dict
             "calibrated_error": check.calibrated_error, "step_noise": check.step_noise}
 
 
+def _pipeline(schedule: str, dim: int, hidden: int, m: int, x: torch.Tensor) -> Any:
+    """A Pipeline on the uniform split (the stages torch's runs get: a profile-balanced split
+    of 8 equal blocks moves with timing noise)."""
+    from pipeline import Pipeline
+    from pipeline.models import mlp_stack
+
+    return Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=schedule,
+                    microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
+
+
 def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]:
     """The step functions to compare, over identical models (seed 0) and batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from partitioner import capture, partition, split_model
-    from pipeline import Pipeline
+    from partitioner import capture, partition, profile, split_model
+    from pipeline.costs import stage_costs
     from pipeline.models import mlp_stack
 
     torch.manual_seed(0)
@@ -120,22 +136,26 @@ def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]
 
     runs: dict[str, Run] = {"one process": (sequential, single.zero_grad),
                             SIDE_BY_SIDE: (side_by_side, mine.zero_grad)}
+    costs: StageCosts | None = None
     for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
-        pipe = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=name,
-                        microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
-        graph = capture(mlp_stack(blocks=8, dim=dim, hidden=hidden), (x[:rows],))
-        stages = split_model(graph, partition(graph, P, "uniform"))
+        pipe = _pipeline(name, dim, hidden, m, x)
+        model = mlp_stack(blocks=8, dim=dim, hidden=hidden)
+        graph = capture(model, (x[:rows],))
+        plan = partition(graph, P, "uniform")
+        if costs is None and rank == 0:  # for the cost-model check (a uniform split is not
+            profile(graph, model, (x[:rows],))  # profiled by Pipeline; rank 0 checks)
+            costs = stage_costs(graph, plan)
+        stages = split_model(graph, plan)
         peer = cls(PipelineStage(stages[rank], rank, P, torch.device("cpu")), m, loss_fn=_loss)
         runs[f"hybridpipe {name}"] = (partial(pipe.step, x, y), pipe.zero_grad)
-        PIPES[f"hybridpipe {name}"] = (pipe, x, y)
+        PIPES[f"hybridpipe {name}"] = (pipe, x, y, costs)
         peer_step = partial(peer.step, x) if rank == 0 else partial(peer.step, target=y)
         runs[f"torch {name}"] = (peer_step, stages[rank].zero_grad)
     # 1F1B with one more warm-up forward on rank 0 (hides a transfer's latency; torch has no
     # such schedule, so it is compared with torch's 1F1B).
-    eager = Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=EAGER,
-                     microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
+    eager = _pipeline(EAGER, dim, hidden, m, x)
     runs[f"hybridpipe {EAGER}"] = (partial(eager.step, x, y), eager.zero_grad)
-    PIPES[f"hybridpipe {EAGER}"] = (eager, x, y)
+    PIPES[f"hybridpipe {EAGER}"] = (eager, x, y, costs)
     return runs
 
 
@@ -208,9 +228,11 @@ def _launch() -> dict[str, Any]:
 
 def _load_note(data: dict[str, Any]) -> str:
     return (f"Machine load average (1 min) at the start of the run: {data[_LOAD_START]:.2f}, at "
-            f"the end: {data[_LOAD]:.2f} on {os.cpu_count()} cores. Other work on the machine "
+            f"the end: {data[_LOAD]:.2f} on {os.cpu_count()} cores (the end reading counts the "
+            "benchmark's own two ranks, about 2 of it). Other work on the machine "
             "slows both ranks and the one-process baseline "
-            "alike only when it leaves each rank a core; above ~1, treat the ratios to one "
+            "alike only when it leaves each rank a core; above ~1 at the start, treat the ratios "
+            "to one "
             "process as lower bounds and compare hybridpipe with torch (interleaved) instead.")
 
 

@@ -268,13 +268,16 @@ class Check:
 
 
 def held_out_check(
-    pipe: Any, x: Any, y: Any, calibration_steps: int = 3, measured_steps: int = 5
+    pipe: Any, x: Any, y: Any, calibration_steps: int = 3, measured_steps: int = 5,
+    profiled: StageCosts | None = None,
 ) -> Check | None:
     """Run 1 warm-up step, then `calibration_steps` steps to calibrate on and `measured_steps`
     held-out steps on `pipe` (a Pipeline; gradients are cleared before each step), taking
     turns (so both sample the machine as it is: other work on a shared machine drifts its
     speed by more than 10% within seconds), and compare. None on a process whose traces are
-    incomplete (under torch.distributed: not rank 0)."""
+    incomplete (under torch.distributed: not rank 0). `profiled`: the plan's profiled stage
+    costs (default `pipe.profiled_costs()`; pass them for a distributed Pipeline that was not
+    built with balance="profile", which cannot profile once split)."""
     from pipeline.costs import predict
 
     total = calibration_steps + measured_steps
@@ -294,7 +297,9 @@ def held_out_check(
     if len(traces) != total:
         return None
     cal = calibrate(schedule, traces[:calibration_steps])
-    costs = calibrated_costs(cal, pipe.profiled_costs())
+    if profiled is None:
+        profiled = pipe.profiled_costs()
+    costs = calibrated_costs(cal, profiled)
     calibrated = predict(
         schedule, costs, latency=cal.latency, overhead=cal.overhead, spread=cal.spread
     )
@@ -303,7 +308,7 @@ def held_out_check(
     return Check(
         schedule=schedule.name,
         measured=statistics.median(held),
-        profiled=pipe.simulate(calibrated=False).step_time,
+        profiled=predict(schedule, profiled).step_time,
         calibrated=calibrated.step_time,
         calibration=cal,
         step_noise=(q3 - q1) / (2 * median) if median > 0 else 0.0,

@@ -138,3 +138,19 @@ def test_held_out_check_takes_turns_and_reports_the_step_noise() -> None:
     expected = predict(pipe.schedule, calibrated_costs(cal, pipe.profiled_costs()),
                        latency=cal.latency, overhead=cal.overhead, spread=cal.spread)
     assert check.calibrated == pytest.approx(expected.step_time)
+
+
+def test_held_out_check_takes_given_profiled_costs() -> None:
+    """`profiled=` stands in for pipe.profiled_costs() (a distributed Pipeline not built with
+    balance="profile" cannot profile once split): the profiled prediction is made from it."""
+    torch.manual_seed(0)
+    model = mlp_stack(blocks=4, dim=32)
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    pipe = Pipeline(model, 2, microbatches=4, loss_fn=F.mse_loss, balance="uniform",
+                    example_input=x)
+    own = pipe.profiled_costs()
+    given = dataclasses.replace(own, forward=[10 * f for f in own.forward])
+    check = held_out_check(pipe, x, y, calibration_steps=2, measured_steps=2, profiled=given)
+    assert check is not None
+    assert check.profiled == pytest.approx(predict(pipe.schedule, given).step_time)
+    assert check.profiled > 2 * pipe.simulate(calibrated=False).step_time
