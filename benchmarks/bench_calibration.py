@@ -13,21 +13,19 @@ Run: .venv/bin/python benchmarks/bench_calibration.py   (it launches its own 2 p
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from launch import torchrun
 from torch.nn import functional as F
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parents[1]
 P, M, BATCH, DIM, BLOCKS = 2, 8, 64, 256, 8
 CAL_STEPS = MEASURED_STEPS = int(os.environ.get("BENCH_STEPS", "15"))
 
@@ -77,22 +75,8 @@ def _worker() -> None:
 
 
 def _distributed() -> dict[str, Any]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, P, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
     out = RESULTS / ".calibration-raw.json"
-    procs = []
-    for rank in range(P):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT), BENCH_OUT=str(out))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env, cwd=ROOT))
-    for proc in procs:
-        proc.wait(1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"a benchmark worker failed (exit {proc.returncode})")
+    torchrun(__file__, P, timeout=1800, BENCH_OUT=str(out))
     rows: dict[str, Any] = json.loads(out.read_text())
     out.unlink()
     return rows

@@ -19,11 +19,9 @@ Run: .venv/bin/python benchmarks/bench_checkpoint.py   (it launches its own 4 pr
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from launch import torchrun
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parents[1]
 WORLD, LAYERS, DIM, ROUNDS = 4, 16, 1536, 5
 
 
@@ -116,25 +114,9 @@ def _worker(out: Path) -> None:
 
 
 def _launch(out: Path) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(out)], cwd=ROOT,
-            env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
-                     TORCHELASTIC_USE_AGENT_STORE="True", PYTHONPATH=str(ROOT),
-                     # A fixed mmap threshold: every tensor buffer is its own mapping, returned
-                     # to the OS when freed, so RSS shows each operation's own allocations.
-                     MALLOC_MMAP_THRESHOLD_="65536"),
-        )
-        for r in range(WORLD)
-    ]
-    codes = [p.wait(3600) for p in procs]
-    if any(codes):
-        raise SystemExit(f"a checkpoint benchmark worker failed (exits {codes})")
+    # A fixed mmap threshold: every tensor buffer is its own mapping, returned to the OS when
+    # freed, so RSS shows each operation's own allocations.
+    torchrun(__file__, WORLD, str(out), MALLOC_MMAP_THRESHOLD_="65536")
     result: dict[str, Any] = json.loads((out / "rows.json").read_text())
     return result
 

@@ -22,12 +22,10 @@ BENCH_CASES=compute or BENCH_CASES=near-zero runs one pass only, BENCH_REPEATS s
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,13 +34,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from launch import torchrun
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from pipeline.costs import StageCosts
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parents[1]
 P = 2
 REPEATS, WARMUP = int(os.environ.get("BENCH_REPEATS", "30")), 3
 # (label, model width, hidden width, rows per microbatch)
@@ -204,23 +202,9 @@ def _worker() -> None:
 
 
 def _launch() -> dict[str, Any]:
-    import torch.distributed as dist
-
     data: dict[str, Any] = {_LOAD_START: os.getloadavg()[0]}
-    store = dist.TCPStore("127.0.0.1", 0, P, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
     out = RESULTS / ".distributed-raw.json"
-    procs = []
-    for rank in range(P):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(P),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT), BENCH_OUT=str(out))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env, cwd=ROOT))
-    for proc in procs:
-        proc.wait(1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"a benchmark worker failed (exit {proc.returncode})")
+    torchrun(__file__, P, timeout=1800, BENCH_OUT=str(out))
     data.update(json.loads(out.read_text()))
     out.unlink()
     return data

@@ -9,10 +9,8 @@ Run: .venv/bin/python benchmarks/bench_soak.py   (it launches its own 4 processe
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from launch import torchrun
 from torch.nn import functional as F
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parents[1]
 WORLD, STAGES, STEPS, EVERY = 4, 2, 200, 20
 
 
@@ -79,22 +77,7 @@ def _worker(out: Path) -> None:
 
 
 def _launch(out: Path) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(out)], env=env,
-                                      cwd=ROOT))
-    for proc in procs:
-        proc.wait(3600)
-        if proc.returncode != 0:
-            raise SystemExit(f"a soak worker failed (exit {proc.returncode})")
+    torchrun(__file__, WORLD, str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -64,9 +64,8 @@ class Compute:
 
 
 @dataclass(frozen=True)
-class Send:
-    """Roughly: ``isend(output of op(stage, microbatch), dst=peer)``; buffered, never blocks.
-    Pairs with the Recv on rank `peer` that has the same (op, stage, microbatch)."""
+class _Message:
+    """One tensor between two ranks: the output of op(stage, microbatch), to or from `peer`."""
 
     op: Op
     stage: int
@@ -76,24 +75,21 @@ class Send:
     @property
     def key(self) -> MessageKey:
         return (self.op, self.stage, self.microbatch)
+
+
+@dataclass(frozen=True)
+class Send(_Message):
+    """Roughly: ``isend(output of op(stage, microbatch), dst=peer)``; buffered, never blocks.
+    Pairs with the Recv on rank `peer` that has the same (op, stage, microbatch)."""
 
     def __str__(self) -> str:
         return f"send {self.stage}{self.op.value}{self.microbatch}->{self.peer}"
 
 
 @dataclass(frozen=True)
-class Recv:
+class Recv(_Message):
     """Roughly: ``wait(irecv(output of op(stage, microbatch), src=peer))``; blocks until it
     arrives. Pairs with the Send on rank `peer` that has the same (op, stage, microbatch)."""
-
-    op: Op
-    stage: int
-    microbatch: int
-    peer: int
-
-    @property
-    def key(self) -> MessageKey:
-        return (self.op, self.stage, self.microbatch)
 
     def __str__(self) -> str:
         return f"recv {self.stage}{self.op.value}{self.microbatch}<-{self.peer}"
