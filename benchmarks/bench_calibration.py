@@ -2,13 +2,16 @@
 schedule, in the local executor (threads) and the distributed executor (2 gloo processes),
 with profiled costs and with costs calibrated from measured traces (pipeline.calibration).
 
-Per schedule (8-block MLP-transformer stack, dim 256, p=2, m=8; 1 thread per rank): one
-warm-up step, then CAL_STEPS steps whose traces calibrate the cost model and MEASURED_STEPS
-held-out steps whose median trace step time is "measured", taking turns (so both see the
-machine as it is). Errors are predicted / measured - 1.
+Two models: an 8-block MLP-transformer stack (dim 256) and a model no one here wrote, a
+Hugging Face GPT-2 built from a small config (4 layers, width 128, 64 tokens, tied embedding;
+no download). Per model and schedule (p=2, m=8; 1 thread per rank; default balance="profile"):
+one warm-up step, then CAL_STEPS steps whose traces calibrate the cost model and
+MEASURED_STEPS held-out steps whose median trace step time is "measured", taking turns (so both
+see the machine as it is). Errors are predicted / measured - 1.
 Writes benchmarks/results/calibration.{md,json}.
 
-Run: .venv/bin/python benchmarks/bench_calibration.py   (it launches its own 2 processes)
+Run: .venv/bin/python benchmarks/bench_calibration.py   (it launches its own 2 processes;
+BENCH_STEPS=N sets both step counts, BENCH_MODELS=mlp or gpt2 runs one model)
 """
 
 from __future__ import annotations
@@ -18,24 +21,57 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from launch import torchrun
+from torch import nn
 from torch.nn import functional as F
 
 RESULTS = Path(__file__).resolve().parent / "results"
-P, M, BATCH, DIM, BLOCKS = 2, 8, 64, 256, 8
+P, M = 2, 8
 CAL_STEPS = MEASURED_STEPS = int(os.environ.get("BENCH_STEPS", "15"))
+Case = tuple[nn.Module, Any, torch.Tensor, Callable[[Any, torch.Tensor], torch.Tensor]]
 
 
-def measure_all(pipe_kwargs: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _mlp() -> Case:
+    from pipeline.models import mlp_stack
+
+    model = mlp_stack(blocks=8, dim=256)
+    return model, torch.randn(64, 256), torch.randn(64, 256), F.mse_loss
+
+
+def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out["logits"]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def _gpt2() -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=4, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    ids, target = torch.randint(0, 512, (16, 64)), torch.randint(0, 512, (16, 64))
+    return GPT2LMHeadModel(config), {"input_ids": ids}, target, _lm_loss
+
+
+# name -> (description, a fresh model (seeded by the caller), its batch and loss)
+MODELS: dict[str, tuple[str, Callable[[], Case]]] = {
+    "mlp": ("mlp_stack(blocks=8, dim=256), batch 64", _mlp),
+    "gpt2": ("Hugging Face GPT2LMHeadModel (4 layers, width 128, 4 heads, vocab 512, tied "
+             "embedding), batch 16 x 64 tokens", _gpt2),
+}
+CHOSEN = [m for m in os.environ.get("BENCH_MODELS", ",".join(MODELS)).split(",") if m]
+
+
+def measure_all(model_name: str) -> dict[str, dict[str, float]]:
     """Profiled and calibrated predictions against held-out measured steps, per schedule
     (on a distributed run, every process calls this; rank 0's figures are complete)."""
     from pipeline import Pipeline
     from pipeline.calibration import held_out_check
-    from pipeline.models import mlp_stack
     from scheduler import SCHEDULES
 
     rows = {}
@@ -43,10 +79,8 @@ def measure_all(pipe_kwargs: dict[str, Any]) -> dict[str, dict[str, float]]:
         # A fresh model each time: under torch.distributed a Pipeline empties the stages
         # other processes hold.
         torch.manual_seed(0)
-        model = mlp_stack(blocks=BLOCKS, dim=DIM)
-        x, y = torch.randn(BATCH, DIM), torch.randn(BATCH, DIM)
-        pipe = Pipeline(model, P, schedule=name, microbatches=M, loss_fn=F.mse_loss,
-                        example_input=x, **pipe_kwargs)
+        model, x, y, loss_fn = MODELS[model_name][1]()
+        pipe = Pipeline(model, P, schedule=name, microbatches=M, loss_fn=loss_fn)
         check = held_out_check(pipe, x, y, CAL_STEPS, MEASURED_STEPS)
         if check is None:
             continue
@@ -68,16 +102,16 @@ def _worker() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rows = measure_all({})
+    rows = {model: measure_all(model) for model in CHOSEN}
     if dist.get_rank() == 0:
         Path(os.environ["BENCH_OUT"]).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def _distributed() -> dict[str, Any]:
+def _distributed() -> dict[str, dict[str, dict[str, float]]]:
     out = RESULTS / ".calibration-raw.json"
     torchrun(__file__, P, timeout=1800, BENCH_OUT=str(out))
-    rows: dict[str, Any] = json.loads(out.read_text())
+    rows: dict[str, dict[str, dict[str, float]]] = json.loads(out.read_text())
     out.unlink()
     return rows
 
@@ -104,47 +138,40 @@ def table(rows: dict[str, dict[str, float]]) -> list[str]:
 def main() -> None:
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
-    local = measure_all({})
+    local = {model: measure_all(model) for model in CHOSEN}
     distributed = _distributed()
     meta = {
         "python": platform.python_version(), "torch": torch.__version__,
         "cpus": os.cpu_count(), "load_average_start": load,
         "load_average_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "model": f"mlp_stack(blocks={BLOCKS}, dim={DIM})", "ranks": P, "microbatches": M,
-        "batch": BATCH, "calibration_steps": CAL_STEPS, "measured_steps": MEASURED_STEPS,
+        "models": {m: MODELS[m][0] for m in CHOSEN}, "ranks": P, "microbatches": M,
+        "calibration_steps": CAL_STEPS, "measured_steps": MEASURED_STEPS,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "calibration.json").write_text(
         json.dumps({"meta": meta, "local": local, "distributed": distributed}, indent=2) + "\n"
     )
-    worst = {
-        kind: max(abs(r["calibrated_error"]) for r in rows.values())
-        for kind, rows in (("local", local), ("distributed", distributed))
-    }
     lines = [
         "# Predicted vs measured step time, every schedule",
         "",
-        f"{meta['model']}, p={P}, m={M}, batch {BATCH}, 1 thread per rank, on {meta['cpus']} "
-        f"shared CPUs (1-min load average {load:.1f} at the start, "
-        f"{meta['load_average_end']:.1f} at the end; {meta['date']}). Per schedule: 1 warm-up "
-        f"step, then {CAL_STEPS} calibration steps and {MEASURED_STEPS} held-out steps taking "
-        "turns; the median of the held-out steps' traces is \"measured\"; step noise = half "
-        "their interquartile range over that median. Command: "
-        "`.venv/bin/python benchmarks/bench_calibration.py`.",
-        "",
-        "## Local executor (one thread per rank)",
-        "",
-        *table(local),
-        "",
-        "## Distributed executor (2 processes, gloo)",
-        "",
-        *table(distributed),
-        "",
-        f"Largest calibrated error: local {worst['local']:.1%}, distributed "
-        f"{worst['distributed']:.1%}.",
-        "",
+        f"p={P}, m={M}, balance=\"profile\", 1 thread per rank, on {meta['cpus']} shared CPUs "
+        f"(1-min load average {load:.1f} at the start, {meta['load_average_end']:.1f} at the "
+        f"end; {meta['date']}). Per model and schedule: 1 warm-up step, then {CAL_STEPS} "
+        f"calibration steps and {MEASURED_STEPS} held-out steps taking turns; the median of "
+        "the held-out steps' traces is \"measured\"; step noise = half their interquartile "
+        "range over that median. Command: `.venv/bin/python benchmarks/bench_calibration.py`.",
     ]
-    (RESULTS / "calibration.md").write_text("\n".join(lines))
+    for model in CHOSEN:
+        worst = {kind: max(abs(r["calibrated_error"]) for r in rows[model].values())
+                 for kind, rows in (("local", local), ("distributed", distributed))}
+        lines += [
+            "", f"## {MODELS[model][0]}",
+            "", "### Local executor (one thread per rank)", "", *table(local[model]),
+            "", "### Distributed executor (2 processes, gloo)", "", *table(distributed[model]),
+            "", f"Largest calibrated error: local {worst['local']:.1%}, distributed "
+            f"{worst['distributed']:.1%}.",
+        ]
+    (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

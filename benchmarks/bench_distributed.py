@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 RESULTS = Path(__file__).resolve().parent / "results"
 P = 2
 REPEATS, WARMUP = int(os.environ.get("BENCH_REPEATS", "30")), 3
+# Steps of the cost-model check per run, each way (calibration, held out).
+CHECK_STEPS = int(os.environ.get("BENCH_CHECK_STEPS", "10"))
 # (label, model width, hidden width, rows per microbatch)
 CASES = (
     ("compute", 256, 1024, 16),
@@ -81,7 +83,7 @@ PIPES: dict[str, tuple[Any, torch.Tensor, torch.Tensor, StageCosts | None]] = {}
 
 
 def _fitted(
-    pipe: Any, x: torch.Tensor, y: torch.Tensor, costs: StageCosts | None, steps: int = 5
+    pipe: Any, x: torch.Tensor, y: torch.Tensor, costs: StageCosts | None, steps: int = CHECK_STEPS
 ) -> dict[str, float]:
     """The runtime's own time per action and the transfer latency, fitted by calibration to
     the idle gaps of hybridpipe's measured traces (rank 0 holds the pipeline's trace), and the
@@ -193,6 +195,7 @@ def _worker() -> None:
                 "median_s": med, "barrier_s": barrier, "samples_s": samples,
                 "actions_per_rank": 2 * m, "dim": dim, "hidden": hidden, "rows": rows,
                 "fitted": {k: _fitted(*run) for k, run in PIPES.items()},
+                "check_steps": CHECK_STEPS,
             }
             PIPES.clear()
     if rank == 0:
@@ -281,8 +284,10 @@ def _report(data: dict[str, Any]) -> str:
                          f"{1e6 * (per - busy):.0f} us with the compute timed with cores busy; "
                          f"{n} actions per rank; compute {1e6 * compute:.0f} / {1e6 * busy:.0f} "
                          "us per action)")
-    lines += ["", "The cost model per hybridpipe run (pipeline.calibration.held_out_check, 10 more "
-              "steps per run: 5 to calibrate on, 5 held out, taking turns): the runtime's own "
+    k = next(res["check_steps"] for res in cases.values())
+    lines += ["", "The cost model per hybridpipe run (pipeline.calibration.held_out_check, "
+              f"{2 * k} more steps per run: {k} to calibrate on, {k} held out, taking turns): "
+              "the runtime's own "
               "time per action (the gap between two actions of a rank that waits for nothing) "
               "and the transfer latency fitted to the idle gaps of the traces, and the step "
               "predicted from the calibrated costs against the held-out steps' median trace "
