@@ -216,11 +216,10 @@ def _launch() -> dict[str, Any]:
 def _load_note(data: dict[str, Any]) -> str:
     return (f"Machine load average (1 min) at the start of the run: {data[_LOAD_START]:.2f}, at "
             f"the end: {data[_LOAD]:.2f} on {os.cpu_count()} cores (the end reading counts the "
-            "benchmark's own two ranks, about 2 of it). Other work on the machine "
-            "slows both ranks and the one-process baseline "
-            "alike only when it leaves each rank a core; above ~1 at the start, treat the ratios "
-            "to one "
-            "process as lower bounds and compare hybridpipe with torch (interleaved) instead.")
+            "benchmark's own two ranks, about 2 of it). Other work on the machine slows both "
+            "ranks and the one-process baseline alike only when it leaves each rank a core; "
+            "above ~1 at the start, treat the ratios to one process as lower bounds and compare "
+            "hybridpipe with torch (interleaved) instead.")
 
 
 def _paired(res: dict[str, Any], run: str) -> str:
