@@ -32,6 +32,7 @@ from pipeline.calibration import (
     calibrate,
     calibrated_costs,
     measured_node_costs,
+    predict_calibrated,
     propose_rebalance,
 )
 from pipeline.costs import StageCosts, costs_for_stages, predict
@@ -387,38 +388,40 @@ class Pipeline:
     ) -> Timeline:
         """The predicted Timeline of one step (pipeline.costs.predict). Costs are the
         calibrated ones (`calibration`: measured action times, runtime overhead per action and
-        transfer latency) once steps have been measured and `calibrated`, else the profiled
-        ones. `schedule`: another Schedule or schedule name to predict on this model (default:
-        the one being run); for a different stage count the (calibrated) graph is
-        re-partitioned as ``balance`` says. `comm`: seconds per cross-rank transfer (default:
-        the calibrated latency, else 0)."""
-        costs = self.profiled_costs()
+        transfer latency; the median of the steps predicted from each measured step, see
+        `pipeline.calibration.predict_calibrated`) once steps have been measured and
+        `calibrated`, else the profiled ones. `schedule`: another Schedule or schedule name to
+        predict on this model (default: the one being run); for a different stage count the
+        (calibrated) graph is re-partitioned as ``balance`` says. `comm`: seconds per
+        cross-rank transfer (default: the calibrated latency, else 0)."""
+        profiled = self.profiled_costs()
         calibration = self.calibration if calibrated else None
-        overhead, latency = 0.0, 0.0
-        spread: tuple[float, ...] = ()
-        graph = self._planned.graph if self._planned is not None else None
-        if calibration is not None:
-            costs = calibrated_costs(calibration, costs)
-            overhead, latency = calibration.overhead, calibration.latency
-            spread = calibration.spread
-            if graph is not None:
-                graph = measured_node_costs(graph, self.plan, costs)
-        if comm is not None:
-            latency = comm
         if schedule is None:
             schedule = self.schedule
         elif isinstance(schedule, str):
             schedule = build_schedule(schedule, self.stages, self.schedule.num_microbatches)
-        if schedule.num_stages != costs.num_stages:
-            if not self._executor.coordination.keeps_whole_model or graph is None:
-                raise ValueError(
-                    f"schedule {schedule.name!r} has {schedule.num_stages} stages and this "
-                    f"plan {costs.num_stages}; under torch.distributed only the plan's stage "
-                    "count can be simulated"
-                )
-            balance = self.balance if isinstance(self.balance, str) else "profile"
-            costs = costs_for_stages(graph, schedule.num_stages, balance)
-        return predict(schedule, costs, latency=latency, overhead=overhead, spread=spread)
+        target = schedule
+        graph = self._planned.graph if self._planned is not None else None
+        if target.num_stages != profiled.num_stages and (
+            not self._executor.coordination.keeps_whole_model or graph is None
+        ):
+            raise ValueError(
+                f"schedule {target.name!r} has {target.num_stages} stages and this plan "
+                f"{profiled.num_stages}; under torch.distributed only the plan's stage count "
+                "can be simulated"
+            )
+        balance = self.balance if isinstance(self.balance, str) else "profile"
+
+        def costs_of(step: Calibration | None) -> StageCosts:
+            costs = profiled if step is None else calibrated_costs(step, profiled)
+            if graph is None or target.num_stages == costs.num_stages:
+                return costs
+            scaled = graph if step is None else measured_node_costs(graph, self.plan, costs)
+            return costs_for_stages(scaled, target.num_stages, balance)
+
+        if calibration is None:
+            return predict(target, costs_of(None), latency=comm or 0.0)
+        return predict_calibrated(target, calibration, costs_of, latency=comm)
 
     def _record(self, trace: Timeline) -> None:
         """Keep a complete step trace for calibration (not the first, warm-up step's), and

@@ -13,7 +13,13 @@ from torch import nn
 
 from partitioner import capture, partition
 from pipeline import Pipeline
-from pipeline.calibration import calibrate, calibrated_costs, held_out_check, propose_rebalance
+from pipeline.calibration import (
+    calibrate,
+    calibrated_costs,
+    held_out_check,
+    predict_calibrated,
+    propose_rebalance,
+)
 from pipeline.costs import predict, stage_costs
 from pipeline.models import ResidualMLP, mlp_stack
 from scheduler import Op, Timeline, build_schedule, simulate
@@ -53,6 +59,34 @@ def test_calibration_recovers_compute_overhead_and_latency(name: str) -> None:
     assert predicted.step_time == pytest.approx(trace.step_time + 0.25)
     if not schedule.splits_backward:  # an unsplit backward is divided as the profile says
         assert costs.input_grad == pytest.approx([1.5, 2.5])
+
+
+def test_prediction_is_the_median_step_not_the_step_of_median_figures() -> None:
+    """Three measured steps: a fast one, one with 2x the compute, one with 20x the latency.
+    Each figure's median is the fast step's, so a prediction from the medians is that step;
+    the median of the per-step predictions is the median measured step."""
+    schedule = build_schedule("1f1b", 2, 4)
+    traces = [
+        measured_like("1f1b", [3.0, 5.0], o=0.0, latency=0.1),
+        measured_like("1f1b", [6.0, 10.0], o=0.0, latency=0.1),
+        measured_like("1f1b", [3.0, 5.0], o=0.0, latency=2.0),
+    ]
+    cal = calibrate(schedule, traces)
+    assert len(cal.step_calibrations) == 3 and cal.latency == pytest.approx(0.1)
+    graph = capture(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), (torch.randn(1, 2),))
+    for v in graph.graph["order"]:
+        graph.nodes[v].update(forward_time=1.0, backward_time=2.0)
+    profiled = stage_costs(graph, partition(graph, 2, "uniform"))
+    predicted = predict_calibrated(schedule, cal, lambda c: calibrated_costs(c, profiled))
+    steps = sorted(t.step_time for t in traces)
+    assert predicted.step_time == pytest.approx(steps[1])
+    of_medians = predict(schedule, calibrated_costs(cal, profiled), latency=cal.latency)
+    assert of_medians.step_time == pytest.approx(steps[0]) and steps[0] < steps[1]
+    # One step is its own calibration; a given latency replaces the measured one.
+    single = calibrate(schedule, traces[2:])
+    assert single.step_calibrations == (single,)
+    forced = predict_calibrated(schedule, single, lambda c: calibrated_costs(c, profiled), 0.1)
+    assert forced.step_time == pytest.approx(steps[0])
 
 
 def test_rebalance_proposal_follows_the_measured_costs() -> None:
@@ -134,10 +168,14 @@ def test_held_out_check_takes_turns_and_reports_the_step_noise() -> None:
     assert check.measured == held[1]
     q1, median, q3 = statistics.quantiles(held, n=4)
     assert check.step_noise == pytest.approx((q3 - q1) / (2 * median))
-    cal = calibrate(pipe.schedule, [traces[2], traces[4], traces[6]])
-    expected = predict(pipe.schedule, calibrated_costs(cal, pipe.profiled_costs()),
-                       latency=cal.latency, overhead=cal.overhead, spread=cal.spread)
+    calibration_steps = [traces[2], traces[4], traces[6]]
+    cal = calibrate(pipe.schedule, calibration_steps)
+    profiled = pipe.profiled_costs()
+    expected = predict_calibrated(pipe.schedule, cal, lambda c: calibrated_costs(c, profiled))
     assert check.calibrated == pytest.approx(expected.step_time)
+    remeasured = statistics.median(t.step_time for t in calibration_steps)
+    assert check.remeasured == remeasured
+    assert check.remeasured_error == pytest.approx(remeasured / check.measured - 1)
 
 
 def test_held_out_check_takes_given_profiled_costs() -> None:
