@@ -219,6 +219,13 @@ def _run_case(dim: int, micro: int, blocks: int, profile: bool) -> dict[str, Any
             # to the measured step is waiting and handoff cost, not compute.
             replay = simulate(pipe.schedule, measured["F"], measured["B"], measured["W"])
             row["replayed_step_s"] = replay.step_time
+            # The calibrated model (pipe.simulate: the steps the Pipeline keeps, here the last
+            # 4) against the median of those steps' traces (held out: bench_calibration.py).
+            calibrated_on = pipe.calibration.steps if pipe.calibration is not None else 0
+            kept = [t.step_time for t in traces[-calibrated_on:]]
+            row["calibrated_step_s"] = pipe.simulate().step_time
+            row["calibrated_on_median_s"] = statistics.median(kept)
+            row["calibrated_error"] = row["calibrated_step_s"] / statistics.median(kept) - 1.0
         case["schedules"][name] = row
     return case
 
@@ -309,8 +316,8 @@ def _report(
         "",
         "| schedule | step ms | speedup vs 1 thread | ideal p*m/(m+p-1) | predicted ms "
         "(profiled costs) | measured / predicted | replay of measured actions ms | "
-        "measured bubble | mean F ms (stage 0, 1) | mean B ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "measured bubble | mean F ms (stage 0, 1) | mean B ms | calibrated ms (error) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in heavy["schedules"].items():
         f, b = r["mean_action_s"]["F"], r["mean_action_s"]["B"]
@@ -319,9 +326,14 @@ def _report(
             f"{r['ideal_speedup']:.2f}x | {r['predicted_step_s'] * ms:.0f} | "
             f"{r['measured_over_predicted']:.2f} | {r['replayed_step_s'] * ms:.0f} | "
             f"{r['measured_bubble']:.2f} | {f[0] * ms:.1f}, {f[1] * ms:.1f} | "
-            f"{b[0] * ms:.1f}, {b[1] * ms:.1f} |"
+            f"{b[0] * ms:.1f}, {b[1] * ms:.1f} | {r['calibrated_step_s'] * ms:.0f} "
+            f"({r['calibrated_error']:+.1%}) |"
         )
     lines += [
+        "",
+        "Calibrated: `pipe.simulate()` on the costs calibrated from the steps the Pipeline "
+        "keeps (its last 4), against the median of those 4 steps' traces (in-sample; "
+        "benchmarks/bench_calibration.py checks every schedule on held-out steps).",
         "",
         f"## Near-zero compute: {light['model']}, microbatch {light['microbatch']}",
         "",
