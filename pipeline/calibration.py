@@ -317,6 +317,12 @@ class Check:
     def remeasured_error(self) -> float:
         return self.remeasured / self.measured - 1.0
 
+    @property
+    def fit_error(self) -> float:
+        """The calibrated prediction against the median of the steps it was calibrated on:
+        the model's own error, without the noise between two sets of steps."""
+        return self.calibrated / self.remeasured - 1.0
+
 
 def held_out_check(
     pipe: Any, x: Any, y: Any, calibration_steps: int = 3, measured_steps: int = 5,

@@ -176,6 +176,7 @@ def test_held_out_check_takes_turns_and_reports_the_step_noise() -> None:
     remeasured = statistics.median(t.step_time for t in calibration_steps)
     assert check.remeasured == remeasured
     assert check.remeasured_error == pytest.approx(remeasured / check.measured - 1)
+    assert check.fit_error == pytest.approx(expected.step_time / remeasured - 1)
 
 
 def test_held_out_check_takes_given_profiled_costs() -> None:
