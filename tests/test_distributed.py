@@ -477,6 +477,46 @@ def test_message_packing_and_metadata_round_trip() -> None:
         encode_meta([torch.zeros(1)] * 65)
 
 
+class _BlockingGroup:
+    """A process group stand-in whose send records the tag and blocks until released."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.tags: list[int] = []
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> str:
+        self.tags.append(tag)
+        self.release.wait(5.0)
+        return f"work {tag}"
+
+
+def test_sender_handoff_returns_once_taken_and_is_bounded_by_a_stuck_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`post` returns when the sender thread has taken the message (so it leaves without
+    waiting for the GIL behind the caller's next action), and returns within its bound when
+    the thread is still inside an earlier, stuck isend; `close` then posts what is queued."""
+    from pipeline.distributed import p2p
+
+    group = _BlockingGroup()
+    sender = p2p._Sender(group)  # type: ignore[arg-type]
+    item = torch.zeros(1)
+    bound = p2p.HANDOFF_WAIT
+    monkeypatch.setattr(p2p, "HANDOFF_WAIT", 5.0)  # a loaded machine may take ms to switch
+    sender.post((item, 1, 7, "first"))
+    assert sender.queue.empty()  # taken before post returned
+    monkeypatch.setattr(p2p, "HANDOFF_WAIT", bound)
+    started = time.perf_counter()
+    sender.post((item, 1, 8, "second"))  # the thread is stuck in the first send
+    waited = time.perf_counter() - started
+    assert waited < bound + 0.5 and not sender.queue.empty()
+    group.release.set()
+    posted = sender.close(5.0)
+    assert [p[0] for p in posted] == ["work 7", "work 8"] and group.tags == [7, 8]
+
+
 def test_receives_are_posted_in_each_senders_order() -> None:
     """Rank 0 needs 1F1 before 1F0 but rank 1 sends 1F0 first: an in-order transport (NCCL)
     must post rank 0's receives in rank 1's send order, which `incoming` gives."""
