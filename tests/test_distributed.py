@@ -517,6 +517,41 @@ def test_sender_handoff_returns_once_taken_and_is_bounded_by_a_stuck_send(
     assert [p[0] for p in posted] == ["work 7", "work 8"] and group.tags == [7, 8]
 
 
+def test_receives_are_posted_ahead_within_the_byte_budget() -> None:
+    """Once a batch shape is known, `begin` posts a peer's receives ahead: at least
+    `prefetch`, more while the posted buffers fit `ahead_bytes`; each consumed receive tops the
+    window up again, in the peer's send order."""
+    from types import SimpleNamespace
+
+    from pipeline.distributed.p2p import P2PTransport
+    from scheduler import Op, Recv
+
+    posted: list[int] = []
+
+    class Group:
+        def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> str:
+            posted.append(tag)
+            return "work"
+
+    ctx = SimpleNamespace(
+        layout=SimpleNamespace(pp_rank=1, global_rank=lambda r: r), device="cpu",
+        pp_group=Group(), wait_work=lambda work, peer, what: None,
+    )
+    msgs = [(Op.F, 0, m) for m in range(6)]  # 6 messages of 100 float32s (400 bytes) each
+    for ahead, first in ((1000, 2), (2000, 5), (10_000, 6), (0, 2)):
+        transport = P2PTransport(ctx, prefetch=2, send_thread=False,  # type: ignore[arg-type]
+                                 ahead_bytes=ahead)
+        transport._metas[7] = {k: [(torch.float32, (100,))] for k in msgs}
+        transport._plans[7] = {k: [(torch.float32, 100)] for k in msgs}
+        posted.clear()
+        transport.begin(7, {0: msgs})
+        assert len(posted) == first, ahead
+        (buffer,) = transport.recv(Recv(Op.F, 0, 0, peer=0))
+        assert buffer.shape == (100,)
+        assert len(posted) == min(6, first + 1), ahead  # one consumed, one more posted
+    assert sorted(set(posted)) == posted  # tags rise with the microbatch: send order
+
+
 def test_receives_are_posted_in_each_senders_order() -> None:
     """Rank 0 needs 1F1 before 1F0 but rank 1 sends 1F0 first: an in-order transport (NCCL)
     must post rank 0's receives in rank 1's send order, which `incoming` gives."""
