@@ -197,12 +197,10 @@ class P2PTransport:
     yet consumed stay within `ahead_bytes` per peer (default AHEAD_BYTES; every receive of a
     step on small messages). gloo delivers a message only once its receive is posted, so a
     sender that runs ahead (GPipe's forwards, an interleaved rank's chunks) waited a round
-    trip per message beyond the first few: posting every receive of the step cut the
-    near-zero-compute step at m=32 by 27% (GPipe), 15% (interleaved-1f1b), 9% (1f1b-eager) and
-    4% (1F1B); 13% for GPipe with compute. Under NCCL, whose receives hold its stream, it
-    stays at `prefetch`. Sends are isends (under gloo posted from a `_Sender` thread) whose
-    completion is awaited in `finish`. Message shapes are cached per batch-shape key (see
-    pipeline.distributed.executor).
+    trip per message beyond the first few (README, "Speed", for the figures). Under NCCL,
+    whose receives hold its stream, it stays at `prefetch`. Sends are isends (under gloo
+    posted from a `_Sender` thread) whose completion is awaited in `finish`. Message shapes
+    are cached per batch-shape key (see pipeline.distributed.executor).
     """
 
     def __init__(
