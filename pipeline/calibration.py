@@ -17,10 +17,11 @@ Across steps: `predict_calibrated` predicts one step from each measured step's o
 calibration and returns the median prediction. Not one prediction from the median of each
 figure: a step's time is about a sum of its figures, the figures are right-skewed here (a
 transfer or an action that waits for a descheduled thread) and vary together within a step,
-and the median of a sum exceeds the sum of the medians (on 400 held-out splits of measured
-traces the median-figure prediction was 4.0% short on average, the median prediction 1.6%;
-see benchmarks/bench_calibration.py). The medians of the figures (`calibrate`'s fields) stay
-what re-partitioning compares plans on.
+and the median of a sum exceeds the sum of the medians (against the median of the steps it
+was calibrated on, the median-figures prediction was 2.5% short on average and up to 12.5%
+over four runs of benchmarks/bench_calibration.py; the median prediction 0.8%, at most
+7.6%). The medians of the figures (`calibrate`'s fields) stay what re-partitioning compares
+plans on.
 `measured_node_costs` rescales the profiled node times of each stage to its measured total, for
 re-partitioning from measured costs (see `Pipeline.rebalance`). `held_out_check` runs a
 calibration pass and held-out steps on a Pipeline and compares (benchmarks and the demo).
@@ -172,8 +173,6 @@ def predict_calibrated(
     step's own calibration (`Calibration.step_calibrations`): `costs(step)` gives that step's
     stage costs (usually ``calibrated_costs(step, profiled)``), and its overhead, latency
     (unless `latency` is given) and spread go to `pipeline.costs.predict`."""
-    from pipeline.costs import predict
-
     predicted = sorted(
         (
             predict(

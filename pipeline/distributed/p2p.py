@@ -170,10 +170,12 @@ class _Sender:
 
     def post(self, item: tuple[Tensor, int, int, object]) -> None:
         """Queue an isend (see `handoff`)."""
+        if self.handoff is None:
+            self.queue.put(item)
+            return
+        self.handoff.clear()
         self.queue.put(item)
-        if self.handoff is not None:
-            self.handoff.wait(HANDOFF_WAIT)
-            self.handoff.clear()
+        self.handoff.wait(HANDOFF_WAIT)
 
     def close(self, timeout: float) -> list[_Pending]:
         """Stop after the queued isends; return them (their completion is the caller's)."""
