@@ -201,13 +201,14 @@ class P2PTransport:
     sender that runs ahead (GPipe's forwards, an interleaved rank's chunks) waited a round
     trip per message beyond the first few (README, "Speed", for the figures). Under NCCL,
     whose receives hold its stream, it stays at `prefetch`. Sends are isends (under gloo
-    posted from a `_Sender` thread) whose completion is awaited in `finish`. Message shapes
-    are cached per batch-shape key (see pipeline.distributed.executor).
+    posted from a `_Sender` thread, with its `handoff` unless handoff=False) whose completion
+    is awaited in `finish`. Message shapes are cached per batch-shape key (see
+    pipeline.distributed.executor).
     """
 
     def __init__(
         self, ctx: DistContext, *, prefetch: int = 2, send_thread: bool | None = None,
-        ahead_bytes: int | None = None,
+        ahead_bytes: int | None = None, handoff: bool = True,
     ) -> None:
         self.ctx = ctx
         self.prefetch = prefetch
@@ -218,6 +219,7 @@ class P2PTransport:
             ahead_bytes = (AHEAD_BYTES if gloo else 0) if ahead_bytes is None else ahead_bytes
         self.send_thread = send_thread
         self.ahead_bytes = ahead_bytes
+        self.handoff = handoff
         self._ahead: dict[int, tuple[int, int]] = {}  # peer -> (receives, bytes) posted ahead
         self._metas: dict[int, dict[MessageKey, TensorLayout]] = {}
         self._plans: dict[int, dict[MessageKey, list[tuple[torch.dtype, int]]]] = {}
@@ -243,7 +245,7 @@ class P2PTransport:
             self._plans[shape_key] = {}
         self._queue = {peer: deque(msgs) for peer, msgs in incoming.items()}
         if self.send_thread:
-            self._sender = _Sender(self.group)
+            self._sender = _Sender(self.group, self.handoff)
         self._ahead = {peer: (0, 0) for peer in self._queue}
         if not self._new:
             for peer in self._queue:
