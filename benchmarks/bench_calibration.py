@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from launch import torchrun
+from launch import gather, hand_back
 from torch import nn
 from torch.nn import functional as F
 
@@ -112,15 +112,12 @@ def _worker() -> None:
     dist.init_process_group("gloo")
     rows = {model: measure_all(model) for model in CHOSEN}
     if dist.get_rank() == 0:
-        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(rows))
+        hand_back(rows)
     dist.destroy_process_group()
 
 
 def _distributed() -> dict[str, dict[str, dict[str, float]]]:
-    out = RESULTS / ".calibration-raw.json"
-    torchrun(__file__, P, timeout=1800, BENCH_OUT=str(out))
-    rows: dict[str, dict[str, dict[str, float]]] = json.loads(out.read_text())
-    out.unlink()
+    rows: dict[str, dict[str, dict[str, float]]] = gather(__file__, P, timeout=1800)
     return rows
 
 

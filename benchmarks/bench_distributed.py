@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from launch import torchrun
+from launch import gather, hand_back
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
@@ -201,16 +201,13 @@ def _worker() -> None:
             PIPES.clear()
     if rank == 0:
         results[_LOAD] = os.getloadavg()[0]
-        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
+        hand_back(results)
     dist.destroy_process_group()
 
 
 def _launch() -> dict[str, Any]:
     data: dict[str, Any] = {_LOAD_START: os.getloadavg()[0]}
-    out = RESULTS / ".distributed-raw.json"
-    torchrun(__file__, P, timeout=1800, BENCH_OUT=str(out))
-    data.update(json.loads(out.read_text()))
-    out.unlink()
+    data.update(gather(__file__, P, timeout=1800))
     return data
 
 

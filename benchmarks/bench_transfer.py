@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from launch import torchrun
+from launch import gather, hand_back
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROUNDS, WARMUP = 300, 20
@@ -82,16 +82,13 @@ def _worker() -> None:
             }
         dist.barrier()
     if rank == 1:
-        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
+        hand_back(results)
     dist.destroy_process_group()
 
 
 def main() -> None:
-    out = RESULTS / ".transfer-raw.json"
     load = os.getloadavg()[0]
-    torchrun(__file__, 2, timeout=600, BENCH_OUT=str(out))
-    rows = json.loads(out.read_text())
-    out.unlink()
+    rows = gather(__file__, 2, timeout=600)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": load,
             "rounds": ROUNDS - WARMUP, "torch": torch.__version__}
     RESULTS.mkdir(exist_ok=True)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from launch import torchrun
+from launch import gather, hand_back
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPEATS = int(os.environ.get("BENCH_REPEATS", "16"))
@@ -81,16 +81,13 @@ def _worker() -> None:
                     b / n for b, n in zip(times["before"], times["now"], strict=True)),
             }
     if dist.get_rank() == 0:
-        Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
+        hand_back(results)
     dist.destroy_process_group()
 
 
 def main() -> None:
-    out = RESULTS / ".transport-raw.json"
     load = os.getloadavg()[0]
-    torchrun(__file__, 2, timeout=1800, BENCH_OUT=str(out))
-    results = json.loads(out.read_text())
-    out.unlink()
+    results = gather(__file__, 2, timeout=1800)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": load,
             "load_average_end": os.getloadavg()[0], "rounds": REPEATS, "microbatches": M}
     RESULTS.mkdir(exist_ok=True)

@@ -13,8 +13,8 @@ machine the rare long ones (a descheduled thread) are a real part of it. `calibr
 turns them into `StageCosts` (an unsplit schedule's measured backward is divided as the
 profile divides it) for `pipeline.costs.predict(..., latency=, overhead=)`.
 
-Across steps: `predict_calibrated` predicts one step from each measured step's own
-calibration and returns the median prediction. Not one prediction from the median of each
+Across steps: `predict_calibrated` predicts steps from each measured step's own calibration
+and returns the median of them all. Not one prediction from the median of each
 figure: a step's time is about a sum of its figures, the figures are right-skewed here (a
 transfer or an action that waits for a descheduled thread) and vary together within a step,
 and the median of a sum exceeds the sum of the medians (against the median of the steps it
@@ -38,7 +38,7 @@ from typing import Any
 import networkx as nx
 
 from partitioner import Plan
-from pipeline.costs import StageCosts, predict
+from pipeline.costs import StageCosts, predict, replay
 from scheduler import Action, Op, Schedule, Timeline
 from scheduler.validate import dependencies
 
@@ -169,17 +169,19 @@ def predict_calibrated(
     costs: Callable[[Calibration], StageCosts],
     latency: float | None = None,
 ) -> Timeline:
-    """The median (the upper one for an even count) of the steps predicted from each measured
-    step's own calibration (`Calibration.step_calibrations`): `costs(step)` gives that step's
-    stage costs (usually ``calibrated_costs(step, profiled)``), and its overhead, latency
-    (unless `latency` is given) and spread go to `pipeline.costs.predict`."""
+    """The median step predicted from each measured step's own calibration
+    (`Calibration.step_calibrations`): every step's replays (`pipeline.costs.replay`, with
+    its overhead, latency unless `latency` is given, and spread; `costs(step)` gives its stage
+    costs, usually ``calibrated_costs(step, profiled)``) pooled, and the median of them, so an
+    even number of steps needs no tie-break."""
     predicted = sorted(
         (
-            predict(
+            timeline
+            for step in calibration.step_calibrations
+            for timeline in replay(
                 schedule, costs(step), overhead=step.overhead, spread=step.spread,
                 latency=step.latency if latency is None else latency,
             )
-            for step in calibration.step_calibrations
         ),
         key=lambda t: t.step_time,
     )

@@ -104,9 +104,26 @@ def predict(
     waits for its slowest actions, so a step of varying actions is longer than one of mean
     actions; with a spread, `replays` steps are simulated with each action's compute scaled by
     a draw from it (seeded: the same answer every call) and the median one is returned."""
+    steps = replay(
+        schedule, costs, latency=latency, overhead=overhead, spread=spread, replays=replays
+    )
+    return steps[len(steps) // 2]
+
+
+def replay(
+    schedule: Schedule,
+    costs: StageCosts,
+    *,
+    latency: float = 0.0,
+    overhead: float = 0.0,
+    spread: Sequence[float] = (),
+    replays: int = 31,
+) -> list[Timeline]:
+    """The Timelines `predict` takes the median of, sorted by step time: one step of mean
+    actions without a spread, else `replays` seeded draws (see `predict`)."""
     f, b, w = _with_overhead(costs, schedule, overhead)
     if not spread:
-        return simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)
+        return [simulate(schedule, f, b, w, latency, activation=costs.activation_bytes)]
     base = action_costs(costs, schedule)
     draws = random.Random(0)
 
@@ -115,12 +132,11 @@ def predict(
         total = compute + overhead
         return (compute * draws.choice(spread) + overhead) / total if total > 0 else 1.0
 
-    steps = sorted(
+    return sorted(
         (simulate(schedule, f, b, w, latency, activation=costs.activation_bytes, scale=scale)
          for _ in range(replays)),
         key=lambda t: t.step_time,
     )
-    return steps[len(steps) // 2]
 
 
 def predict_summary(
