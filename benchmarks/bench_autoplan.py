@@ -7,19 +7,17 @@ Run: .venv/bin/python benchmarks/bench_autoplan.py
 
 from __future__ import annotations
 
-import json
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from report import write_results
 
 from partitioner import capture, profile
 from pipeline.autoplan import AutoPlan, search
 from pipeline.models import GPT, TransformerBlock
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORLDS = (8, 64, 1024)
 REPEATS = 3
 SAMPLES_PER_RANK = 8
@@ -57,13 +55,11 @@ def main() -> None:
         })
         tables[world] = result.table(10)
         print(f"world {world}: {min(times):.2f} s (worst {max(times):.2f} s)\n{tables[world]}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {
         "python": platform.python_version(), "torch": torch.__version__,
         "machine": platform.machine(), "graph_nodes": len(graph.graph["order"]),
         "memory_limit": limit, "samples_per_rank": SAMPLES_PER_RANK, "repeats": REPEATS,
     }
-    (RESULTS / "autoplan.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
         "# Auto-planner search time",
         "",
@@ -90,7 +86,7 @@ def main() -> None:
             f"{1e3 * b['step_time']:.1f} ms |"
         )
     lines += ["", "Ranked table at 1,024 ranks:", "", "```", tables[1024], "```", ""]
-    (RESULTS / "autoplan.md").write_text("\n".join(lines))
+    write_results("autoplan", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

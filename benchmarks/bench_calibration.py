@@ -16,21 +16,19 @@ BENCH_STEPS=N sets both step counts, BENCH_MODELS=mlp or gpt2 runs one model)
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from launch import gather, hand_back
+from report import write_results
 from torch import nn
 from torch.nn import functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
 P, M = 2, 8
 CAL_STEPS = MEASURED_STEPS = int(os.environ.get("BENCH_STEPS", "15"))
 Case = tuple[nn.Module, Any, torch.Tensor, Callable[[Any, torch.Tensor], torch.Tensor]]
@@ -155,10 +153,6 @@ def main() -> None:
         "models": {m: MODELS[m][0] for m in CHOSEN}, "ranks": P, "microbatches": M,
         "calibration_steps": CAL_STEPS, "measured_steps": MEASURED_STEPS,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "calibration.json").write_text(
-        json.dumps({"meta": meta, "local": local, "distributed": distributed}, indent=2) + "\n"
-    )
     lines = [
         "# Predicted vs measured step time, every schedule",
         "",
@@ -195,8 +189,8 @@ def main() -> None:
             f"{worst['distributed', 'remeasured_error']:.1%}; calibrated vs its steps "
             f"{worst['local', 'fit_error']:.1%} / {worst['distributed', 'fit_error']:.1%}.",
         ]
-    (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("calibration", {"meta": meta, "local": local, "distributed": distributed},
+                  "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -14,19 +14,16 @@ Run: .venv/bin/python benchmarks/bench_capture.py
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from report import write_results
 from torch import nn
 
 from partitioner import CaptureError, capture, partition, profile, split_model
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _timed(fn: Any) -> tuple[Any, float]:
@@ -108,9 +105,6 @@ def main() -> None:
     rows = [gpt2_small(), llama_1b_meta()]
     meta = {"torch": torch.__version__, "machine": platform.machine(),
             "threads": torch.get_num_threads(), "load": os.getloadavg()[0]}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "capture.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2)
-                                          + "\n")
     lines = [
         "# Capture: torch.export front end on real models",
         "",
@@ -130,8 +124,7 @@ def main() -> None:
             f"| {r['stage_units']} |"
         )
     lines += ["", f"torch.fx on GPT-2 small: {rows[0]['fx']}", ""]
-    (RESULTS / "capture.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results("capture", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 from launch import torchrun
+from report import write_results
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORLD, LAYERS, DIM, ROUNDS = 4, 16, 1536, 5
 
 
@@ -176,14 +176,11 @@ def main() -> None:
     if "--worker" in sys.argv:
         _worker(Path(sys.argv[-1]))
         return
-    RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = _launch(Path(tmp))
     summary = _summary(data)
     report = _report(data, summary)
-    (RESULTS / "checkpoint.json").write_text(json.dumps({**data, "summary": summary}, indent=1))
-    (RESULTS / "checkpoint.md").write_text(report)
-    print(report)
+    write_results("checkpoint", {**data, "summary": summary}, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ BENCH_REPEATS sets the measured steps, 12 by default)
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
@@ -32,14 +31,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from launch import gather, hand_back
+from report import write_results
 from torch.nn import functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
 P, M = 2, 32
 REPEATS, WARMUP = int(os.environ.get("BENCH_REPEATS", "12")), 3
 CASES = [("compute, 16 rows", 256, 1024, 16), ("compute, 8 rows", 256, 1024, 8)]
@@ -265,11 +263,7 @@ def main() -> None:
     results = gather(__file__, P, timeout=900)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": load,
             "load_average_end": os.getloadavg()[0], "repeats": REPEATS, "torch": torch.__version__}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cycle.json").write_text(json.dumps({"meta": meta, "cases": results}, indent=2))
-    text = _report(meta, results)
-    (RESULTS / "cycle.md").write_text(text)
-    print(text)
+    write_results("cycle", {"meta": meta, "cases": results}, _report(meta, results))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ BENCH_CASES=compute or BENCH_CASES=near-zero runs one pass only, BENCH_REPEATS s
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -30,17 +29,16 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from launch import gather, hand_back
+from report import write_results
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from pipeline.costs import StageCosts
 
-RESULTS = Path(__file__).resolve().parent / "results"
 P = 2
 REPEATS, WARMUP = int(os.environ.get("BENCH_REPEATS", "30")), 3
 # Steps of the cost-model check per run, each way (calibration, held out).
@@ -307,12 +305,9 @@ def main() -> None:
     if "--worker" in sys.argv:
         _worker()
         return
-    RESULTS.mkdir(exist_ok=True)
     data = _launch()
     report = _report(data)
-    (RESULTS / "distributed.json").write_text(json.dumps(data, indent=1))
-    (RESULTS / "distributed.md").write_text(report)
-    print(report)
+    write_results("distributed", data, report, indent=1)
 
 
 if __name__ == "__main__":

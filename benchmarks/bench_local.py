@@ -9,7 +9,6 @@ Run: .venv/bin/python benchmarks/bench_local.py
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -17,17 +16,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from report import write_results
 from torch.nn import functional as F
 
 from pipeline import Pipeline
 from pipeline.models import mlp_stack
 from scheduler import Op, Timeline, simulate
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RANKS, MICROBATCHES = 2, 8
 SCHEDULES = ["1f1b", "gpipe", "zb-h1"]
 WARMUP, STEPS = 2, 7
@@ -267,11 +265,8 @@ def main() -> None:
         "load_average_after": os.getloadavg()[0],
     }
     results = {"meta": meta, "sleep": sleep, "heavy": heavy, "light": light}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "local.json").write_text(json.dumps(results, indent=2) + "\n")
     report = _report(meta, sleep, heavy, light)
-    (RESULTS / "local.md").write_text(report)
-    print(report)
+    write_results("local", results, report)
 
 
 def _report(

@@ -13,24 +13,22 @@ Run: .venv/bin/python benchmarks/bench_partition.py
 
 from __future__ import annotations
 
-import json
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import networkx as nx
 import torch
 import torchvision
+from report import write_results
 from torch import nn
 
 from partitioner import Plan, capture, partition, partition_chain, profile, split_model
 from partitioner.solver import block_partition
 from pipeline.models import GPT, mlp_stack, skewed_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = (2, 4, 8)
 METHODS = ("uniform", "parameters", "block", "profile")
 
@@ -162,10 +160,6 @@ def write(rows: list[dict[str, Any]], timing: dict[str, Any]) -> None:
         "ratio": "predicted bottleneck / lower bound max(total/p, heaviest node); 1.0 is ideal",
         "timing": "median of 3 runs, seconds",
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "partition.json").write_text(
-        json.dumps({"meta": meta, "methods": rows, "timing": timing}, indent=2) + "\n"
-    )
     lines = [
         "# Partition quality and speed",
         "",
@@ -213,7 +207,8 @@ def write(rows: list[dict[str, Any]], timing: dict[str, Any]) -> None:
         "Run: `.venv/bin/python benchmarks/bench_partition.py`",
         "",
     ]
-    (RESULTS / "partition.md").write_text("\n".join(lines))
+    write_results("partition", {"meta": meta, "methods": rows, "timing": timing},
+                  "\n".join(lines))
 
 
 def main() -> None:
@@ -224,7 +219,6 @@ def main() -> None:
     print(timing)
     rows = compare_methods()
     write(rows, timing)
-    print((RESULTS / "partition.md").read_text())
 
 
 if __name__ == "__main__":

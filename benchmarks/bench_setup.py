@@ -11,15 +11,15 @@ tests). Writes benchmarks/results/setup_agreement.md and .json.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from report import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results"
 LINE = re.compile(r"^(?P<case>[^:\n]+): (?:detected|found) after (?P<times>.+)$", re.M)
 
 
@@ -33,8 +33,6 @@ def main() -> None:
     if run.returncode != 0:
         sys.exit(f"tests/test_agreement.py failed:\n{run.stdout[-4000:]}")
     rows = [(m["case"].strip(" ."), m["times"].strip()) for m in LINE.finditer(run.stdout)]
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "setup_agreement.json").write_text(json.dumps(dict(rows), indent=2) + "\n")
     lines = [
         "# Distributed setup: time from the fault to its detection",
         "",
@@ -47,8 +45,7 @@ def main() -> None:
         *(f"| {case} | {times} |" for case, times in rows),
         "",
     ]
-    (OUT / "setup_agreement.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results("setup_agreement", dict(rows), "\n".join(lines))
 
 
 if __name__ == "__main__":

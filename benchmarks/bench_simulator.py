@@ -6,16 +6,15 @@ Run: .venv/bin/python benchmarks/bench_simulator.py
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from report import write_results
 
 from scheduler import build_schedule, lower, simulate, validate
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CASES = [  # (schedule, ranks, microbatches, virtual stages)
     ("1f1b", 64, 1024, 1),
     ("gpipe", 64, 1024, 1),
@@ -70,16 +69,12 @@ def main() -> None:
                     "peak_inflight": list(t.peak_inflight),
                 }
             )
-    RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "repeats": REPEATS,
         "statistic": "best of repeats, seconds",
     }
-    (RESULTS / "simulator.json").write_text(
-        json.dumps({"meta": meta, "timings": rows, "bubbles": bubbles}, indent=2) + "\n"
-    )
     lines = [
         "# Schedule engine timings",
         "",
@@ -108,8 +103,8 @@ def main() -> None:
         f"{', '.join(str(x) for x in b['peak_inflight'])} |"
         for b in bubbles
     ]
-    (RESULTS / "simulator.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("simulator", {"meta": meta, "timings": rows, "bubbles": bubbles},
+                  "\n".join(lines))
 
 
 if __name__ == "__main__":

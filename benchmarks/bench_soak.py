@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from launch import torchrun
+from report import write_results
 from torch.nn import functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORLD, STAGES, STEPS, EVERY = 4, 2, 200, 20
 
 
@@ -113,13 +113,10 @@ def main() -> None:
     if "--worker" in sys.argv:
         _worker(Path(sys.argv[-1]))
         return
-    RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         ranks = _launch(Path(tmp))
     report = _report(ranks)
-    (RESULTS / "soak.json").write_text(json.dumps(ranks, indent=1))
-    (RESULTS / "soak.md").write_text(report)
-    print(report)
+    write_results("soak", ranks, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,15 @@ Run: .venv/bin/python benchmarks/bench_transfer.py   (it launches its own 2 proc
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from launch import gather, hand_back
+from report import write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ROUNDS, WARMUP = 300, 20
 CASES = [(posting, after) for after in ("kernels", "Python")
          for posting in ("inline", "sender thread", "handoff")]
@@ -91,8 +89,6 @@ def main() -> None:
     rows = gather(__file__, 2, timeout=600)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": load,
             "rounds": ROUNDS - WARMUP, "torch": torch.__version__}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "transfer.json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=2))
     lines = [
         "# Send to arrival, 2 gloo ranks",
         "",
@@ -105,8 +101,7 @@ def main() -> None:
         *(f"| {case} | {1e6 * r['median_s']:.0f} | {1e6 * r['p90_s']:.0f} | "
           f"{1e6 * r['mean_s']:.0f} |" for case, r in rows.items()),
     ]
-    (RESULTS / "transfer.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("transfer", {"meta": meta, "cases": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

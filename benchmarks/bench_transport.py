@@ -12,17 +12,15 @@ BENCH_REPEATS sets the rounds, 16 by default)
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from launch import gather, hand_back
+from report import write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 REPEATS = int(os.environ.get("BENCH_REPEATS", "16"))
 M = 32
 # (label, model width, hidden width, rows per microbatch)
@@ -90,9 +88,6 @@ def main() -> None:
     results = gather(__file__, 2, timeout=1800)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": load,
             "load_average_end": os.getloadavg()[0], "rounds": REPEATS, "microbatches": M}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "transport.json").write_text(
-        json.dumps({"meta": meta, "cases": results}, indent=2) + "\n")
     lines = [
         "# The transport now vs before (handoff, receives posted ahead)",
         "",
@@ -110,8 +105,7 @@ def main() -> None:
             lines.append(f"| {label} | {schedule} | {1e3 * r['before_s']:.1f} | "
                          f"{1e3 * r['now_s']:.1f} | {r['before_s'] / r['now_s']:.2f}x | "
                          f"{r['per_round']:.2f}x |")
-    (RESULTS / "transport.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results("transport", {"meta": meta, "cases": results}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from report import RESULTS
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def torchrun(script: str, world: int, *args: str, timeout: float = 3600, **env: str) -> None:
