@@ -236,16 +236,20 @@ def _target_name(n: fx.Node) -> str:
 @contextlib.contextmanager
 def _no_cache(model: nn.Module) -> Iterator[None]:
     """Hugging Face models return a KV cache when config.use_cache is set: training needs
-    none, and torch.export cannot return one, so capture runs with it off."""
-    config: Any = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False):
-        yield
-        return
-    config.use_cache = False
+    none, and torch.export cannot return one, so capture runs with it off: in every config of
+    the model, since a submodule may hold a copy of its own (T5's decoder stack)."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
 
 
 def _first_lines(exc: BaseException, limit: int = 600) -> str:

@@ -1,6 +1,7 @@
-"""Tiny configurations of the model families people bring (Hugging Face GPT-2, Llama, BERT;
-timm ViT and ConvNeXt; the GPT `tok(idx) + pos[:T]` idiom), each with a batch maker and a loss,
-shared by the local and distributed real-model tests. Built from configs: no downloads."""
+"""Tiny configurations of the model families people bring (Hugging Face GPT-2, Llama, BERT, T5,
+Mistral, GPT-NeoX, OPT; timm ViT, ConvNeXt, Swin and ResNet; the GPT `tok(idx) + pos[:T]`
+idiom), each with a batch maker and a loss, shared by the local and distributed real-model
+tests. Built from configs: no downloads."""
 
 from __future__ import annotations
 
@@ -81,6 +82,84 @@ def bert() -> nn.Module:
     return BertForMaskedLM(config)
 
 
+def t5() -> nn.Module:
+    """Encoder-decoder, one embedding tied to the encoder's, the decoder's and the LM head, and
+    the default config (use_cache on, in a copy the decoder stack holds of its own)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config)
+    assert model.decoder.config.use_cache and model.lm_head.weight is model.shared.weight
+    return model
+
+
+def _seq2seq(rows: int, seq: int) -> tuple[Any, torch.Tensor]:
+    inputs, target = _tokens(rows, seq, mask=True)
+    inputs["decoder_input_ids"] = torch.randint(0, VOCAB, (rows, seq))
+    return inputs, target
+
+
+def mistral() -> nn.Module:
+    """Grouped-query attention and a sliding window shorter than the sequence."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        sliding_window=4, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return MistralForCausalLM(config)
+
+
+def gpt_neox() -> nn.Module:
+    """Parallel attention and MLP residual, rotary embedding on part of each head."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, max_position_embeddings=32, rotary_pct=0.5,
+        hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+def opt() -> nn.Module:
+    """Learned positions offset by 2 and computed from the attention mask."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=VOCAB, hidden_size=16, ffn_dim=32, num_hidden_layers=3,
+        num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16,
+        dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )
+    return OPTForCausalLM(config)
+
+
+def swin() -> nn.Module:
+    """Shifted windows with relative position bias tables (stochastic depth off: its default
+    draws random numbers)."""
+    import timm
+
+    return timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, img_size=56, window_size=7,
+        embed_dim=16, depths=(1, 1), num_heads=(2, 2), num_classes=5, drop_path_rate=0.0,
+    )
+
+
+def _images56(rows: int, _: int) -> tuple[Any, torch.Tensor]:
+    return torch.randn(rows, 3, 56, 56, dtype=torch.float64), torch.randint(0, 5, (rows,))
+
+
+def resnet() -> nn.Module:
+    """BatchNorm in training mode: batch statistics, running statistics updated per call."""
+    import timm
+
+    return timm.create_model("resnet10t", pretrained=False, num_classes=5)
+
+
 def vit() -> nn.Module:
     import timm
 
@@ -123,6 +202,11 @@ SPECS: dict[str, Spec] = {
     "gpt2": Spec(gpt2, lambda r, s: _tokens(r, s, mask=True), lm_loss),
     "llama": Spec(llama, lambda r, s: _tokens(r, s, mask=False), lm_loss),
     "bert": Spec(bert, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "t5": Spec(t5, _seq2seq, lm_loss),
+    "mistral": Spec(mistral, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "gpt_neox": Spec(gpt_neox, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "opt": Spec(opt, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "swin": Spec(swin, _images56, class_loss),
     "vit": Spec(vit, _images, class_loss),
     "convnext": Spec(convnext, _images, class_loss),
     "pos_gpt": Spec(PosGPT, lambda r, s: (_tokens(r, s, mask=False)[0]["input_ids"],
