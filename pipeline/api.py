@@ -148,8 +148,10 @@ class Pipeline:
 
     BatchNorm in train mode normalises each microbatch with its own statistics and updates
     the running statistics once per microbatch, so it differs from a whole-batch run (as in
-    any microbatched pipeline); in eval mode the pipeline is exact. Dropout draws different
-    random numbers than a single-device run (each rank's thread has its own RNG stream use).
+    any microbatched pipeline); in eval mode the pipeline is exact. Data-parallel replicas
+    take replica 0's running statistics after each step or forward (DDP's broadcast_buffers).
+    Dropout draws different random numbers than a single-device run (each rank's thread has
+    its own RNG stream use).
     """
 
 

@@ -189,9 +189,60 @@ def _init() -> None:
     dist.init_process_group("gloo")
 
 
+def _bn_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                         nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+
+
+def _check_batchnorm_replicas() -> None:
+    """pp=2 dp=2, BatchNorm, each replica on its own data: the loss and gradients equal the
+    unsplit model run microbatch by microbatch over the global batch; after the step, and
+    after a forward in train mode, every replica holds replica 0's running statistics (as
+    DDP's broadcast_buffers), which equal the unsplit model run on replica 0's data."""
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+    from pipeline.checkpoint import gather_named
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g,
+                                                                          dtype=torch.float64)
+    pipe = Pipeline(_bn_model(), stages=2, microbatches=2, loss_fn=F.mse_loss,
+                    balance="parameters")
+    ctx = pipe.distributed
+    assert ctx is not None and ctx.layout.data_parallel == 2
+    d = ctx.layout.dp_rank
+    loss = pipe.step(x[4 * d : 4 * d + 4], y[4 * d : 4 * d + 4])
+    ref = _bn_model()
+    expected = sum(F.mse_loss(ref(xm), ym) * 2 / 8
+                   for xm, ym in zip(x.split(2), y.split(2), strict=True))
+    assert isinstance(expected, torch.Tensor)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=0)
+    grads = gather_named({k: p.grad for k, p in pipe.named_parameters()}, ctx)
+    if grads is not None:
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, atol=ATOL, rtol=0, msg=k)
+    replica0 = _bn_model()  # replica 0's microbatches: the step's, then the forward's below
+    for xm in (*x[:4].split(2), *x[:4].split(2)):
+        replica0(xm)
+    with torch.no_grad():
+        pipe(x[4 * d : 4 * d + 4])  # train mode: BatchNorm updates its running statistics
+    mine = torch.cat([b.double().reshape(-1) for s in pipe.stage_modules for b in s.buffers()])
+    seen = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(seen, mine, group=ctx.dp_group)
+    assert torch.equal(seen[0], seen[1]), "replicas hold different BatchNorm statistics"
+    state = pipe.state_dict()
+    if state is not None:
+        for k, v in replica0.state_dict().items():
+            torch.testing.assert_close(state[k].double(), v.double(), atol=ATOL, rtol=0, msg=k)
+
+
 def worker_matrix(out: Path) -> None:
     """world 4: pp=2 dp=2, pp=4 dp=1, pp=1 dp=4 x gpipe, 1f1b, zb-h1; a world size that does not
-    divide; checkpoint resharding pp=2 dp=2 -> pp=4 dp=1 (-> one process, in the test)."""
+    divide; BatchNorm's running statistics across replicas; checkpoint resharding pp=2 dp=2 ->
+    pp=4 dp=1 (-> one process, in the test)."""
     import torch.distributed as dist
 
     from pipeline import Pipeline
@@ -215,6 +266,7 @@ def worker_matrix(out: Path) -> None:
     seen = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(seen, flat, group=odd.distributed.dp_group)
     assert torch.equal(seen[0], seen[1]), "data-parallel replicas start from different weights"
+    _check_batchnorm_replicas()
     # simulate() works on every rank: the costs rank 0 profiled travel with the plan.
     profiled = Pipeline(make_model(), stages=2, schedule="1f1b", microbatches=4,
                         loss_fn=lm_loss, balance="profile",
@@ -585,6 +637,45 @@ def test_gradient_buckets_respect_the_cap() -> None:
     sync = GradSync(ctx, {0: params}, bucket_bytes=160)  # type: ignore[arg-type]
     sizes = [[p.numel() for p in bucket] for bucket in sync.buckets[0]]
     assert sizes == [[1], [40], [5, 30], [3], [10]]  # reverse order, <= 160 bytes, one dtype
+
+
+def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from pipeline.distributed import gradsync
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2)
+            self.register_buffer("calls", torch.zeros(()))
+            self.register_buffer("table", torch.ones(3))  # constant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            return self.bn(x) * self.table[0]
+
+    model = Counting()
+    running = gradsync.running_statistics(model)
+    assert running == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    sent: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(gradsync, "_from_replica_0", lambda ctx, ts, what: sent.append(ts))
+    ctx = SimpleNamespace(layout=SimpleNamespace(data_parallel=2))
+    sync = gradsync.BufferSync(ctx, [model], running)  # type: ignore[arg-type]
+    sync.begin()
+    model(torch.randn(4, 2))
+    sync.finish()
+    names = {id(b): n for n, b in model.named_buffers()}
+    assert sorted(names[id(t)] for t in sent[0]) == sorted([*running, "calls"])
+    one = SimpleNamespace(layout=SimpleNamespace(data_parallel=1))
+    single = gradsync.BufferSync(one, [model], running)  # type: ignore[arg-type]
+    single.begin()
+    model(torch.randn(4, 2))
+    single.finish()
+    assert len(sent) == 1  # one replica: nothing to send
+    assert gradsync.running_statistics(model.eval()) == set()  # eval: BatchNorm writes nothing
 
 
 def test_shared_parameter_is_reduced_once_with_the_stage_that_finishes_last() -> None:

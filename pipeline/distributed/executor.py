@@ -1,6 +1,7 @@
 """`DistributedExecutor`: this process's pipeline rank of a Schedule under torch.distributed.
 It runs the shared `RankRuntime` over a `P2PTransport`, averages gradients over replicas
-(`GradSync`), sums those of parameters tied across pipeline ranks (`TieSync`), agrees on each
+(`GradSync`), keeps their in-place-updated buffers equal (`BufferSync`), sums the gradients
+of parameters tied across pipeline ranks (`TieSync`), agrees on each
 step's batch shapes with its pipeline, and ends each step with the loss on every process and
 the pipeline's trace on global rank 0.
 
@@ -32,7 +33,13 @@ from torch import Tensor, nn
 
 from partitioner import StageModule
 from pipeline.distributed.context import DistContext
-from pipeline.distributed.gradsync import GradSync, finish_order, sync_replicas
+from pipeline.distributed.gradsync import (
+    BufferSync,
+    GradSync,
+    finish_order,
+    running_statistics,
+    sync_replicas,
+)
 from pipeline.distributed.p2p import (
     LOSS_TAG,
     MAX_MICROBATCHES,
@@ -158,6 +165,8 @@ class DistributedExecutor(Executor):
                 },
                 bucket_bytes=self.bucket_bytes,
             )
+            self.buffer_sync = BufferSync(self.context, list(self._mine.values()),
+                                          running_statistics(self.planned.model))
             self.runtime = RankRuntime(
                 self.layout.pp_rank,
                 self._schedule,
@@ -271,6 +280,7 @@ class DistributedExecutor(Executor):
             try:
                 total = torch.zeros((), dtype=torch.float64, device=ctx.device)
                 pending = self._end_receives(total) if self._tags_match else []
+                self.buffer_sync.begin()
                 with self.runtime.step_leaves():
                     result = self.runtime.run_step(inputs, targets, loss_weights)
                 if self.holds_last_stage:
@@ -286,6 +296,7 @@ class DistributedExecutor(Executor):
             self.grads.finish()
             if self.ties is not None:
                 self.ties.finish()
+            self.buffer_sync.finish()
             timeline = self._finish(pending, result.events)
         return StepResult(total / self.layout.data_parallel, timeline, result.input_grads)
 
@@ -295,12 +306,14 @@ class DistributedExecutor(Executor):
             count = len(inputs) if inputs is not None else 0
             key, count = self._agree_key("forward", count, inputs)
             self.transport.begin(key, self._messages("forward", count))
+            self.buffer_sync.begin()
             try:
                 result = self.runtime.run_forward(inputs, count, grad=torch.is_grad_enabled())
                 self.transport.finish()
             except BaseException:
                 self.transport.abandon()
                 raise
+            self.buffer_sync.finish()
         if not self.holds_last_stage:
             return []
         return [result.outputs[m] for m in range(count)]

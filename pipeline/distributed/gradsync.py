@@ -1,6 +1,8 @@
-"""Data-parallel gradient averaging and replica start-up: each stage's gradients are averaged
+"""Data-parallel gradient averaging and replica consistency: each stage's gradients are averaged
 over its replicas (the process's "dp" mesh group) in dtype buckets all-reduced as soon as
-the stage's last backward is done, and replicas start from replica 0's weights.
+the stage's last backward is done, replicas start from replica 0's weights, and the buffers a
+step or forward changes in place (BatchNorm's running statistics) are copied from replica 0
+after it, as DDP's broadcast_buffers does.
 
 Hook for tied parameters (one weight used by stages on different pipeline ranks): their
 gradients need a sum over the ranks that hold a copy before the replica average; that is a
@@ -99,14 +101,10 @@ class GradSync:
             self._pending.clear()
 
 
-def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
-    """Copy replica 0's parameters and buffers of these stages to the other replicas (as DDP
-    does at construction), so replicas start equal even when processes seeded differently.
-    Meta tensors (weights still to be loaded) are skipped."""
-    if ctx.layout.data_parallel == 1:
-        return
+def _from_replica_0(ctx: DistContext, tensors: Sequence[Tensor], what: str) -> None:
+    """Overwrite `tensors` (the same list on every replica) with replica 0's values: one
+    broadcast over the dp group per dtype."""
     src = ctx.layout.global_rank(ctx.layout.pp_rank, 0)
-    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta]
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -114,8 +112,62 @@ def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
         for group in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             work = dist.broadcast(flat, src=src, group=ctx.dp_group, async_op=True)
-            ctx.wait_work(work, None if ctx.layout.rank == src else src, "replica 0's weights")
+            ctx.wait_work(work, None if ctx.layout.rank == src else src, what)
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
+    """Copy replica 0's parameters and buffers of these stages to the other replicas (as DDP
+    does at construction), so replicas start equal even when processes seeded differently.
+    Meta tensors (weights still to be loaded) are skipped."""
+    if ctx.layout.data_parallel == 1:
+        return
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta]
+    _from_replica_0(ctx, tensors, "replica 0's weights")
+
+
+def running_statistics(model: nn.Module) -> set[str]:
+    """Names of the buffers a forward in train mode updates inside its kernels, where version
+    counters do not see it: the running statistics of BatchNorm, InstanceNorm and modules
+    built like them (`track_running_stats` and a `running_mean`)."""
+    names: set[str] = set()
+    for path, module in model.named_modules():
+        if (module.training and getattr(module, "track_running_stats", False)
+                and getattr(module, "running_mean", None) is not None):
+            names.update(f"{path}.{name}" if path else name
+                         for name, _ in module.named_buffers(recurse=False))
+    return names
+
+
+class BufferSync:
+    """Keeps the replicas' buffers equal, as DDP's broadcast_buffers does: `finish` copies
+    from replica 0 the buffers the step or forward wrote, which are the `running` ones (see
+    `running_statistics`: BatchNorm updates them inside its kernel) and every other buffer
+    whose version counter moved since `begin` (an in-place write: `copy_`, `add_`); constant
+    buffers cost nothing. Every replica runs the same graph in the same mode, so the buffers
+    written are the same on each. Without it each replica's running statistics would follow
+    its own data, and evaluation or a checkpoint would depend on the replica."""
+
+    def __init__(self, ctx: DistContext, modules: Sequence[nn.Module], running: set[str]) -> None:
+        self.ctx = ctx
+        named: dict[int, tuple[str, Tensor]] = {}
+        if ctx.layout.data_parallel > 1:
+            for module in modules:
+                for name, b in module.named_buffers():
+                    if not b.is_meta:
+                        named.setdefault(id(b), (name, b))
+        self.running = [b for name, b in named.values() if name in running]
+        self.watched = [b for name, b in named.values() if name not in running]
+        self.versions: list[int] = []
+
+    def begin(self) -> None:
+        self.versions = [b._version for b in self.watched]
+
+    def finish(self) -> None:
+        written = [b for b, v in zip(self.watched, self.versions, strict=True) if b._version != v]
+        self.versions = []
+        if self.running or written:
+            _from_replica_0(self.ctx, [*self.running, *written], "replica 0's buffers")
