@@ -147,8 +147,10 @@ def _case(rank: int, dim: int, hidden: int, rows: int) -> dict[str, Any]:
     if rank != 0:
         return {}
     timelines = [t[3] for t in traces]
-    return {"ranks": everyone, "step_s": statistics.median(steps), **_from_traces(timelines),
-            "model_s": _model(pipe.schedule, timelines, x[:rows], dim, hidden)}
+    return {"ranks": everyone, "step_s": statistics.median(steps),
+            "traced_s": statistics.median(t.step_time for t in timelines),
+            **_from_traces(timelines), "model_s": _model(pipe.schedule, timelines, x[:rows], dim,
+                                                         hidden)}
 
 
 def _model(schedule: Any, timelines: list[Any], sample: torch.Tensor, dim: int,
@@ -228,7 +230,10 @@ def _report(meta: dict[str, Any], results: dict[str, Any]) -> str:
         "F + B inside the pipeline and outside it (the same stage module, both ranks at once, no "
         "transport), idle time between actions and the part of it inside the transport's send "
         "and recv calls. Latency: end of the producing action to start of the using one, where "
-        "the receiver waited for nothing else. Bounds: (m + p - 1) x the slower rank's F + B. "
+        "the receiver waited for nothing else. Step: between two barriers; traced: the first "
+        "action's start to the last one's end (the rest is the step's set-up and end: agreeing "
+        "on the batch, the loss to every rank, the trace to rank 0). The model predicts the "
+        "traced step. Bounds: (m + p - 1) x the slower rank's F + B. "
         "Command: `.venv/bin/python benchmarks/bench_cycle.py`.",
         "",
         "| case | rank | F + B inside ms | F + B outside ms | inside / outside | idle ms | "
@@ -243,17 +248,18 @@ def _report(meta: dict[str, Any], results: dict[str, Any]) -> str:
                 f"{fb_in / fb_out:.2f}x | {1e3 * inside['idle']:.2f} | "
                 f"{1e3 * mine['send_s']:.3f} | {1e3 * mine['recv_s']:.3f} | "
                 f"{mine['faults']:.0f} |")
-    lines += ["", "| case | step ms | model: calibrated | without latency | without "
+    lines += ["", "| case | step ms | traced ms | model: calibrated | without latency | without "
               "overhead | without spread | bound, inside compute | bound, outside compute "
               "(efficiency) | latency activation / gradient us |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, r in results.items():
         cycles = M + P - 1
         out = cycles * max(m["outside_f"] + m["outside_b"] for m in r["ranks"])
         inn = cycles * max(i["f"] + i["b"] for i in r["inside"])
         lat = "/".join("-" if v is None else f"{1e6 * v:.0f}" for v in r["latency_s"].values())
         model = " | ".join(f"{1e3 * v:.1f}" for v in r["model_s"].values())
-        lines.append(f"| {label} | {1e3 * r['step_s']:.1f} | {model} | {1e3 * inn:.1f} | "
+        lines.append(f"| {label} | {1e3 * r['step_s']:.1f} | {1e3 * r['traced_s']:.1f} | "
+                     f"{model} | {1e3 * inn:.1f} | "
                      f"{1e3 * out:.1f} ({out / r['step_s']:.2f}) | {lat} |")
     return "\n".join(lines) + "\n"
 
