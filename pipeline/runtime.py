@@ -197,8 +197,15 @@ def accumulate_grads(
 ) -> None:
     """``p.grad += g`` as autograd's AccumulateGrad does; None grads are skipped. Where `.grad`
     is None it becomes a fresh copy of `g` (which may be shared with other gradients or
-    expanded), or `g` itself when the caller `owned` it."""
-    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    expanded), or `g` itself when the caller `owned` it. A parameter listed more than once
+    (a split backward's W reaches a weight both through the input-grad path and from an
+    output that does not depend on the inputs) gets the sum of its gradients."""
+    merged: dict[int, tuple[Tensor, Tensor]] = {}
+    for p, g in zip(params, grads, strict=True):
+        if g is not None:
+            seen = merged.get(id(p))
+            merged[id(p)] = (p, g) if seen is None else (p, seen[1] + g)
+    pairs = list(merged.values())
     adds = [(p.grad, g) for p, g in pairs if p.grad is not None]
     for p, g in pairs:
         if p.grad is None:

@@ -345,6 +345,60 @@ def test_split_backward_with_shared_weights(schedule: str, stages: int) -> None:
             torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0, msg=name)
 
 
+class PositionBias(nn.Module):
+    """A bias made from a parameter alone, added in every later block (T5's relative position
+    bias), after two plain blocks, so a stage past the first (whose input needs no gradient)
+    makes it, uses it and sends it on: its W reaches the weight both through the input-grad
+    path and from an output that does not depend on the stage input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.table = nn.Parameter(torch.randn(4))
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.pre:
+            x = torch.tanh(block(x))
+        bias = torch.tanh(self.table)
+        for block in self.blocks:
+            x = torch.tanh(block(x) + bias)
+        return self.out(x)
+
+
+@pytest.mark.parametrize(("schedule", "stages", "balance"), [
+    ("zb-h1", 3, [4, 7, 7]), ("zb-h2", 3, [4, 7, 7]), ("zbv", 2, [4, 5, 5, 4]),
+])
+def test_split_backward_weight_reached_two_ways(
+    schedule: str, stages: int, balance: list[int]
+) -> None:
+    torch.manual_seed(0)
+    model = PositionBias().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    expected = F.mse_loss(ref(x), y)
+    expected.backward()
+    pipe = Pipeline(model, stages, schedule=schedule, microbatches=3, loss_fn=F.mse_loss,
+                    balance=balance, example_input=x)  # 4 units: the pre blocks, stage 0
+    holder = [i for i, m in enumerate(pipe.stage_modules)
+              if any(n == "table" for n, _ in m.named_parameters())]
+    assert holder and holder[0] not in (0, len(pipe.stage_modules) - 1), holder
+    torch.testing.assert_close(pipe.step(x, y), expected.detach(), atol=ATOL, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def test_accumulate_grads_sums_a_parameter_listed_twice() -> None:
+    from pipeline.runtime import accumulate_grads
+
+    p = torch.zeros(3)
+    accumulate_grads([p, p], [torch.ones(3), 2 * torch.ones(3)])
+    assert p.grad is not None and p.grad.tolist() == [3.0, 3.0, 3.0]
+    accumulate_grads([p, p, p], [torch.ones(3), None, torch.ones(3)])
+    assert p.grad.tolist() == [5.0, 5.0, 5.0]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_frozen_parameters_after_construction(schedule: str) -> None:
     torch.manual_seed(0)

@@ -71,6 +71,22 @@ def test_real_model_transparency(name: str, stages: int) -> None:
     assert set(pipe.state_dict() or {}) == set(model.state_dict())
 
 
+@pytest.mark.parametrize(("name", "schedule"), [("t5", "zbv"), ("t5", "zb-h1"),
+                                              ("gpt2", "zb-h2")])
+def test_real_model_split_backward(name: str, schedule: str) -> None:
+    """Zero-bubble schedules (backward split into B and W) on real models: T5's relative
+    position bias is made in its stack's first block and reused by every later one, so the
+    stage making it sends it on and W reaches its weight two ways."""
+    spec = SPECS[name]
+    model = build(name)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    x, y = spec.batch(6, 8)
+    pipe = Pipeline(model, 2 if schedule == "zbv" else 4, schedule=schedule, microbatches=4,
+                    loss_fn=spec.loss_fn, balance="parameters")
+    _check_step(pipe, model, ref, x, y)
+
+
 def test_capture_turns_off_every_cache_and_restores_it() -> None:
     model = build("t5")
     x, _ = SPECS["t5"].batch(2, 8)
