@@ -3,6 +3,8 @@ processes launched as torchrun does): at pp=2 x dp=2 for every schedule and at p
 placement of the tie (loop, interleaved, V), an SGD step
 (two for 1F1B) gives the single-process loss and every gathered gradient (float64, 1e-9), and
 the gathered state_dict has the model's own keys and values (so the tied copies stayed equal).
+The same for T5 (an embedding tied three ways, a split backward) at pp=4 zbv and pp=2 x dp=2
+zb-h1.
 
 One launch loops over every case (starting a process with torch costs seconds), on one model
 per pipeline size given back its initial tensors before each case, so each process exports GPT-2
@@ -24,37 +26,32 @@ ATOL = 1e-9
 ROWS = 8  # per replica
 
 
-def _batch(step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _batch(name: str, step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     from tests.real_models import SPECS
 
     torch.manual_seed(500 + step)
-    return SPECS["gpt2"].batch(rows, 8)
+    return SPECS[name].batch(rows, 8)
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def worker_tied(out: Path) -> None:
-    import torch.distributed as dist
-
-    from pipeline import Pipeline, planner
+def _check_model(name: str, cases: dict[int, list[tuple[str, int]]]) -> None:
+    """`cases[pp]`: (schedule, SGD steps) run on one model per pipeline size, given back its
+    initial tensors before each case; every loss, gathered gradient and the gathered state
+    against the single-process model."""
+    from pipeline import Pipeline
     from pipeline.checkpoint import gather_named
-    from tests.capture_memo import memo_capture
     from tests.real_models import SPECS, build
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    planner.capture = memo_capture()  # type: ignore[assignment]
-    loss_fn = SPECS["gpt2"].loss_fn
-    for pp in (2, 4):
-        model = build("gpt2")
+    loss_fn = SPECS[name].loss_fn
+    for pp, schedules in cases.items():
+        model = build(name)
         initial = {k: t.detach().clone() for k, t in _tensors(model)}
-        # At pp=4 one schedule per placement of the tie: loop (1f1b, two steps), interleaved,
-        # V (stage 0 and the last on one rank); pp=2 x dp=2 runs all of them (suite time).
-        for schedule in sorted(SCHEDULES) if pp == 2 else ["1f1b", "interleaved-1f1b", "zbv"]:
-            label = f"pp={pp} {schedule}"
-            ref = build("gpt2")
+        for schedule, steps in schedules:
+            label = f"{name} pp={pp} {schedule}"
+            ref = build(name)
             for k, t in _tensors(model):  # the executor freed the others' stages' tensors
                 t.data = initial[k].clone()
             pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=2 * pp,
@@ -64,8 +61,8 @@ def worker_tied(out: Path) -> None:
             dp, d = ctx.layout.data_parallel, ctx.layout.dp_rank
             opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
             ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-            for step in range(2 if schedule == "1f1b" else 1):
-                x, y = _batch(step, ROWS * dp)
+            for step in range(steps):
+                x, y = _batch(name, step, ROWS * dp)
                 ref.zero_grad()
                 expected = loss_fn(ref(**x), y)
                 expected.backward()
@@ -89,6 +86,27 @@ def worker_tied(out: Path) -> None:
                 for k, v in ref.state_dict().items():
                     torch.testing.assert_close(state[k], v, atol=ATOL, rtol=0,
                                                msg=f"{label}: state {k}")
+
+
+def worker_tied(out: Path) -> None:
+    import torch.distributed as dist
+
+    from pipeline import planner
+    from tests.capture_memo import memo_capture
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    planner.capture = memo_capture()  # type: ignore[assignment]
+    # GPT-2: pp=2 x dp=2 runs every schedule (1F1B two steps); at pp=4 one schedule per
+    # placement of the tie: loop (1f1b), interleaved, V (stage 0 and the last on one rank).
+    _check_model("gpt2", {
+        2: [(s, 2 if s == "1f1b" else 1) for s in sorted(SCHEDULES)],
+        4: [("1f1b", 2), ("interleaved-1f1b", 1), ("zbv", 1)],
+    })
+    # T5: one embedding tied three ways (encoder, decoder, head) over the ranks, and a
+    # relative position bias each stack's first stage makes and sends on, under a split
+    # backward.
+    _check_model("t5", {4: [("zbv", 1)], 2: [("zb-h1", 1)]})
     dist.destroy_process_group()
     print("worker tied: every check ran")
 
