@@ -22,7 +22,14 @@ from partitioner import StageModule
 from pipeline import streams
 from pipeline.executor import Executor
 from pipeline.planner import Coordination, decide_alone
-from pipeline.runtime import CancelToken, PipelineAborted, RankResult, RankRuntime, StepResult
+from pipeline.runtime import (
+    CancelToken,
+    PipelineAborted,
+    RankResult,
+    RankRuntime,
+    StepResult,
+    running_statistics,
+)
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
 _POLL = 0.02  # seconds between abort checks while a worker waits for a tensor
@@ -227,6 +234,7 @@ class LocalExecutor(Executor):
         if self.abort.is_set():
             self.abort = CancelToken()
             self.mailboxes = [_Mailbox() for _ in self.devices]
+        statistics = running_statistics(planned.model)
         self.runtimes = [
             RankRuntime(
                 rank,
@@ -240,6 +248,7 @@ class LocalExecutor(Executor):
                 loss_fn=self.loss_fn,
                 checkpoint_activations=self.checkpoint_activations,
                 abort=self.abort,
+                statistics=statistics,
             )
             for rank in range(schedule.num_ranks)
         ]

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, cast
 
@@ -214,6 +214,37 @@ def accumulate_grads(
         torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
 
 
+def running_statistics(model: nn.Module) -> set[str]:
+    """Names of the buffers a forward in train mode updates inside its kernels, where version
+    counters do not see it: the running statistics of BatchNorm, InstanceNorm and modules
+    built like them (`track_running_stats` and a `running_mean`)."""
+    names: set[str] = set()
+    for path, module in model.named_modules():
+        if (module.training and getattr(module, "track_running_stats", False)
+                and getattr(module, "running_mean", None) is not None):
+            names.update(f"{path}.{name}" if path else name
+                         for name, _ in module.named_buffers(recurse=False))
+    return names
+
+
+class _Restored:
+    """Puts `buffers` back as they were when the block ends. Re-enterable: a split backward
+    recomputes a checkpointed forward once per backward call (B, then W)."""
+
+    def __init__(self, buffers: Sequence[Tensor]) -> None:
+        self.buffers = list(buffers)
+        self.saved: list[Tensor] = []
+
+    def __enter__(self) -> None:
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for b, value in zip(self.buffers, self.saved, strict=True):
+                b.copy_(value)
+        self.saved = []
+
+
 Slot: TypeAlias = tuple[nn.Module, str, Tensor]  # (owning module, attribute name, parameter)
 
 
@@ -342,6 +373,7 @@ class RankRuntime:
         checkpoint_activations: bool = False,
         on_stage_done: Callable[[int], None] | None = None,
         abort: CancelToken | None = None,
+        statistics: Collection[str] = (),
     ) -> None:
         expected = set(schedule.stages_of(rank))
         if set(stages) != expected:
@@ -356,6 +388,7 @@ class RankRuntime:
         self.device = torch.device(device)
         self.loss_fn = loss_fn
         self.checkpoint_activations = checkpoint_activations
+        self.statistics = frozenset(statistics)
         self.on_stage_done = on_stage_done
         self.abort = abort
         self.last_stage = schedule.num_stages - 1
@@ -551,7 +584,8 @@ class RankRuntime:
         # may work in place on its input (e.g. ReLU(inplace=True)), which a leaf forbids.
         args = tuple(t.clone() if t.requires_grad and t.is_leaf else t for t in inputs)
         if train and self.checkpoint_activations:
-            outputs = checkpoint(module, *args, use_reentrant=False)
+            outputs = checkpoint(module, *args, use_reentrant=False,
+                                 context_fn=lambda: (nullcontext(), self._recomputing(module)))
         else:
             outputs = module(*args)
         if not isinstance(outputs, tuple):
@@ -595,6 +629,12 @@ class RankRuntime:
             self._mail[step.writes] = tuple(t.detach() for t in outputs)
         else:
             self._mail[step.writes] = outputs
+
+    def _recomputing(self, module: nn.Module) -> AbstractContextManager[None]:
+        """Around the recomputation of a checkpointed forward: the running statistics it
+        updates again are put back, so they are updated once per microbatch, as without
+        activation checkpointing."""
+        return _Restored([b for name, b in module.named_buffers() if name in self.statistics])
 
     def _roots(
         self, step: _Step, outputs: tuple[Tensor, ...]

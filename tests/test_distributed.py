@@ -645,6 +645,7 @@ def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
     from types import SimpleNamespace
 
     from pipeline.distributed import gradsync
+    from pipeline.runtime import running_statistics
 
     class Counting(nn.Module):
         def __init__(self) -> None:
@@ -658,7 +659,7 @@ def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
             return self.bn(x) * self.table[0]
 
     model = Counting()
-    running = gradsync.running_statistics(model)
+    running = running_statistics(model)
     assert running == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
     sent: list[list[torch.Tensor]] = []
     monkeypatch.setattr(gradsync, "_from_replica_0", lambda ctx, ts, what: sent.append(ts))
@@ -675,7 +676,7 @@ def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
     model(torch.randn(4, 2))
     single.finish()
     assert len(sent) == 1  # one replica: nothing to send
-    assert gradsync.running_statistics(model.eval()) == set()  # eval: BatchNorm writes nothing
+    assert running_statistics(model.eval()) == set()  # eval: BatchNorm writes nothing
 
 
 def test_shared_parameter_is_reduced_once_with_the_stage_that_finishes_last() -> None:

@@ -96,16 +96,21 @@ def test_capture_turns_off_every_cache_and_restores_it() -> None:
     assert not model.encoder.config.use_cache  # T5 builds its encoder with the cache off
 
 
-def test_batchnorm_matches_the_microbatched_run() -> None:
+@pytest.mark.parametrize(("schedule", "recompute"),
+                         [("1f1b", False), ("1f1b", True), ("zb-h1", True)])
+def test_batchnorm_matches_the_microbatched_run(schedule: str, recompute: bool) -> None:
     """BatchNorm normalises each microbatch by that microbatch's statistics and updates its
     running statistics once per microbatch, so the reference is the unsplit model run
     microbatch by microbatch (each loss weighted by its rows): loss, every gradient and every
-    buffer (running mean and variance, batches tracked) match."""
+    buffer (running mean and variance, batches tracked) match. Also with activation
+    checkpointing, whose recomputation (twice under a split backward: B, then W) would
+    update the statistics again."""
     torch.manual_seed(0)
     model = resnet().double()
     ref = copy.deepcopy(model)
     x, y = torch.randn(10, 3, 32, 32, dtype=torch.float64), torch.randint(0, 5, (10,))
-    pipe = Pipeline(model, 2, microbatches=4, loss_fn=class_loss, balance="parameters")
+    pipe = Pipeline(model, 2, schedule=schedule, microbatches=4, loss_fn=class_loss,
+                    balance="parameters", checkpoint_activations=recompute)
     loss = pipe.step(x, y)
     expected = sum(class_loss(ref(xm), ym) * len(ym) / len(y)
                    for xm, ym in zip(x.tensor_split(4), y.tensor_split(4), strict=True))

@@ -37,7 +37,6 @@ from pipeline.distributed.gradsync import (
     BufferSync,
     GradSync,
     finish_order,
-    running_statistics,
     sync_replicas,
 )
 from pipeline.distributed.p2p import (
@@ -52,7 +51,7 @@ from pipeline.distributed.ties import TieSync, find_ties
 from pipeline.executor import Executor
 from pipeline.microbatch import batch_size
 from pipeline.planner import Coordination, Planned
-from pipeline.runtime import LossFn, RankRuntime, StepResult
+from pipeline.runtime import LossFn, RankRuntime, StepResult, running_statistics
 from scheduler import Event, MessageKey, Op, Timeline, forward_only, incoming, lower
 
 
@@ -165,8 +164,8 @@ class DistributedExecutor(Executor):
                 },
                 bucket_bytes=self.bucket_bytes,
             )
-            self.buffer_sync = BufferSync(self.context, list(self._mine.values()),
-                                          running_statistics(self.planned.model))
+            statistics = running_statistics(self.planned.model)
+            self.buffer_sync = BufferSync(self.context, list(self._mine.values()), statistics)
             self.runtime = RankRuntime(
                 self.layout.pp_rank,
                 self._schedule,
@@ -176,6 +175,7 @@ class DistributedExecutor(Executor):
                 loss_fn=self.loss_fn,
                 checkpoint_activations=self.checkpoint_activations,
                 on_stage_done=self.grads.start,
+                statistics=statistics,
             )
         self.context.agreement.sync("the start")  # every process is built: tensors may move
         self.context.mesh  # noqa: B018 - the process groups, made in this order everywhere

@@ -129,27 +129,15 @@ def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
     _from_replica_0(ctx, tensors, "replica 0's weights")
 
 
-def running_statistics(model: nn.Module) -> set[str]:
-    """Names of the buffers a forward in train mode updates inside its kernels, where version
-    counters do not see it: the running statistics of BatchNorm, InstanceNorm and modules
-    built like them (`track_running_stats` and a `running_mean`)."""
-    names: set[str] = set()
-    for path, module in model.named_modules():
-        if (module.training and getattr(module, "track_running_stats", False)
-                and getattr(module, "running_mean", None) is not None):
-            names.update(f"{path}.{name}" if path else name
-                         for name, _ in module.named_buffers(recurse=False))
-    return names
-
-
 class BufferSync:
-    """Keeps the replicas' buffers equal, as DDP's broadcast_buffers does: `finish` copies
-    from replica 0 the buffers the step or forward wrote, which are the `running` ones (see
-    `running_statistics`: BatchNorm updates them inside its kernel) and every other buffer
-    whose version counter moved since `begin` (an in-place write: `copy_`, `add_`); constant
-    buffers cost nothing. Every replica runs the same graph in the same mode, so the buffers
-    written are the same on each. Without it each replica's running statistics would follow
-    its own data, and evaluation or a checkpoint would depend on the replica."""
+    """Keeps the replicas' buffers equal, as DDP's broadcast_buffers does: `finish` copies from
+    replica 0 the buffers the step or forward wrote, which are the `running` ones (see
+    `pipeline.runtime.running_statistics`: BatchNorm updates them inside its kernel) and
+    every other buffer whose version counter moved since `begin` (an in-place write:
+    `copy_`, `add_`); constant buffers cost nothing. Every replica runs the same graph in
+    the same mode, so the buffers written are the same on each. Without it each replica's
+    running statistics would follow its own data, and evaluation or a checkpoint would
+    depend on the replica."""
 
     def __init__(self, ctx: DistContext, modules: Sequence[nn.Module], running: set[str]) -> None:
         self.ctx = ctx
