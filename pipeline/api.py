@@ -39,7 +39,7 @@ from pipeline.costs import StageCosts, costs_for_stages, predict
 from pipeline.distributed import DistContext, DistributedExecutor
 from pipeline.executor import Executor
 from pipeline.local import LocalExecutor, resolve_devices
-from pipeline.microbatch import Batch, batch_size, split_microbatches
+from pipeline.microbatch import Batch, batch_size, split_microbatches, tensor_leaves
 from pipeline.planner import Planned, Planner
 from pipeline.runtime import LossFn
 from pipeline.settings import pipeline_settings
@@ -238,6 +238,15 @@ class Pipeline:
     def _as_args(self, x: Batch) -> tuple[Any, ...]:
         """The flat input tensors stage 0 takes from a tensor or tuple/list batch (positional
         arguments) or a dict batch (keyword arguments), in the captured order."""
+        try:
+            tensor_leaves(x, "inputs")
+        except TypeError as err:
+            raise TypeError(
+                f"{err}; inputs must be a tensor or a tuple/list/dict of tensors (split along "
+                "dim 0); pass a constant argument (a flag such as output_hidden_states=True) "
+                "through the model instead: set it in its config, or wrap the model in a module "
+                "whose forward passes it"
+            ) from None
         args, kwargs = call_structure(x)
         if self._planned is not None:
             signature = inspect.signature(self.module.forward)

@@ -376,14 +376,14 @@ def test_inputs_of_different_batch_sizes() -> None:
         ),
     ):
         pipe.step({"x": torch.randn(4, 4), "w": torch.randn(4, 4)}, torch.randn(4, 2))
-    with pytest.raises(
-        TypeError,
-        match=exact(
-            "inputs[1] is a str, not a tensor; inputs must be a tensor or a tuple/list/dict of "
-            "tensors (split along dim 0)"
-        ),
-    ):
+    constant = ("; inputs must be a tensor or a tuple/list/dict of tensors (split along dim 0); "
+                "pass a constant argument (a flag such as output_hidden_states=True) through the "
+                "model instead: set it in its config, or wrap the model in a module whose forward "
+                "passes it")
+    with pytest.raises(TypeError, match=exact("inputs[1] is a str, not a tensor" + constant)):
         pipe.step((torch.randn(4, 4), "z"), torch.randn(4, 2))
+    with pytest.raises(TypeError, match=exact("inputs['z'] is a bool, not a tensor" + constant)):
+        pipe.step({"x": torch.randn(4, 4), "z": True}, torch.randn(4, 2))
 
 
 def test_stage_output_not_tensors() -> None:
