@@ -320,11 +320,12 @@ def _add_profile(subparsers: Any) -> None:
         "profile",
         help="capture, profile and auto-balance a model into pipeline stages",
         description=(
-            "Capture MODEL as a graph (torch.fx), time every node on an example input,\n"
-            "split it into balanced stages, print the Plan, and write the partition plot\n"
-            "(partition.png) and the plan (plan.json) to --out.\n\n"
+            "Capture MODEL as a graph (torch.export, else torch.fx), time every node on an\n"
+            "example input, split it into balanced stages, print the Plan, and write the\n"
+            "partition plot (partition.png) and the plan (plan.json) to --out.\n\n"
             "MODEL is torchvision:NAME (e.g. torchvision:resnet50, random weights),\n"
-            "package.module:factory (called without arguments, returns an nn.Module),\n"
+            "package.module:factory (called without arguments, returns an nn.Module, e.g.\n"
+            "timm.models.resnet:resnet18),\n"
             f"or a built-in demo model:\n{models}"
         ),
         epilog=(
