@@ -309,6 +309,15 @@ def test_split_backward_does_not_rewalk_the_input_grad_path(schedule: str) -> No
         torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0)
 
 
+def _reference(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, nn.Module, torch.Tensor]:
+    """A batch for a 4-in 2-out model, and an unsplit copy that ran it (loss, grads)."""
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    expected = F.mse_loss(ref(x), y)
+    expected.backward()
+    return x, y, ref, expected
+
+
 class Tied(nn.Module):
     """One Linear applied three times (a weight reached through several input-path nodes) and
     a parameter that reaches the output without touching the stage input."""
@@ -331,10 +340,7 @@ class Tied(nn.Module):
 def test_split_backward_with_shared_weights(schedule: str, stages: int) -> None:
     torch.manual_seed(0)
     model = Tied().double()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-    ref = copy.deepcopy(model)
-    expected = F.mse_loss(ref(x), y)
-    expected.backward()
+    x, y, ref, expected = _reference(model)
     for balance in ("uniform", "parameters"):
         model.zero_grad(set_to_none=True)
         pipe = Pipeline(
@@ -375,10 +381,7 @@ def test_split_backward_weight_reached_two_ways(
 ) -> None:
     torch.manual_seed(0)
     model = PositionBias().double()
-    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-    ref = copy.deepcopy(model)
-    expected = F.mse_loss(ref(x), y)
-    expected.backward()
+    x, y, ref, expected = _reference(model)
     pipe = Pipeline(model, stages, schedule=schedule, microbatches=3, loss_fn=F.mse_loss,
                     balance=balance, example_input=x)  # 4 units: the pre blocks, stage 0
     holder = [i for i, m in enumerate(pipe.stage_modules)
