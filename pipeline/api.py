@@ -500,6 +500,19 @@ class Pipeline:
         """The model's parameters under their original names (this process's, as above)."""
         return self._executor.named_parameters(self.module, prefix, recurse)
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the gradients' norm over every
+        parameter (under torch.distributed combined over the pipeline's ranks, a tied
+        parameter counted once) is returned, the same on every process, and every gradient
+        is scaled by max_norm / (norm + 1e-6) when that is below 1. Call it after `step`,
+        before the optimizer's; clipping each process's own parameters instead would use a
+        different norm on every rank."""
+        return self._executor.clip_grad_norm_(
+            self.module, max_norm, norm_type, error_if_nonfinite
+        )
+
     @property
     def distributed(self) -> DistContext | None:
         """The process groups and rank layout under torch.distributed, else None."""

@@ -100,6 +100,16 @@ class Executor(ABC):
         """The parameters this process trains, under the model's names."""
         return model.named_parameters(prefix, recurse)
 
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> Tensor:
+        """Scale the gradients so their norm over the whole model is at most `max_norm`;
+        return that norm (as torch.nn.utils.clip_grad_norm_ on the unsplit model). Here every
+        parameter is in this process."""
+        return torch.nn.utils.clip_grad_norm_(
+            [p for _, p in self.named_parameters(model)], max_norm, norm_type, error_if_nonfinite
+        )
+
     @property
     def _schedule(self) -> Schedule:
         if self.planned is None:

@@ -1,8 +1,9 @@
 """Hugging Face GPT-2 with its tied embedding / LM head under the distributed executor (4 gloo
 processes launched as torchrun does): at pp=2 x dp=2 for every schedule and at pp=4 for each
 placement of the tie (loop, interleaved, V), an SGD step
-(two for 1F1B) gives the single-process loss and every gathered gradient (float64, 1e-9), and
-the gathered state_dict has the model's own keys and values (so the tied copies stayed equal).
+(two for 1F1B) gives the single-process loss and every gathered gradient (float64, 1e-9), the
+whole model's gradient norm from `clip_grad_norm_`, and the gathered state_dict has the model's
+own keys and values (so the tied copies stayed equal and the clipped steps matched).
 The same for T5 (an embedding tied three ways, a split backward) at pp=4 zbv and pp=2 x dp=2
 zb-h1.
 
@@ -24,6 +25,7 @@ from tests.test_distributed import _all_ok, launch
 
 ATOL = 1e-9
 ROWS = 8  # per replica
+CLIP = 0.05  # below every step's gradient norm here, so clipping scales
 
 
 def _batch(name: str, step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -78,6 +80,12 @@ def _check_model(name: str, cases: dict[int, list[tuple[str, int]]]) -> None:
                     for k, g in grads.items():
                         torch.testing.assert_close(g, want[k].grad, atol=ATOL, rtol=0,
                                                    msg=f"{label}: grad of {k}, step {step}")
+                # Clipping by the whole model's norm: the same norm on every process (a
+                # tied parameter counted once) and the same scaled gradients.
+                torch.testing.assert_close(
+                    pipe.clip_grad_norm_(CLIP).double(),
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).double(),
+                    atol=ATOL, rtol=0, msg=f"{label}: gradient norm, step {step}")
                 opt.step()
                 ref_opt.step()
             state = pipe.state_dict()

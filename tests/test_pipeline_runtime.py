@@ -427,3 +427,18 @@ def test_frozen_parameters_after_construction(schedule: str) -> None:
         assert (p.grad is None) == (q.grad is None) == (not p.requires_grad)
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_over_the_whole_model(norm_type: float) -> None:
+    torch.manual_seed(0)
+    model = Tied().double()
+    x, y, ref, _ = _reference(model)
+    pipe = Pipeline(model, 2, schedule="1f1b", microbatches=3, loss_fn=F.mse_loss,
+                    balance="uniform")
+    pipe.step(x, y)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type)
+    assert float(expected) > 0.01  # the clip scales
+    torch.testing.assert_close(pipe.clip_grad_norm_(0.01, norm_type), expected, atol=ATOL, rtol=0)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
 from pipeline.distributed.context import DistContext
@@ -205,6 +206,33 @@ class DistributedExecutor(Executor):
         own = {id(p) for m in self._mine.values() for p in m.parameters()}
         # The model's own names (a tied parameter once, under its first name).
         return ((prefix + k, p) for k, p in model.named_parameters() if id(p) in own)
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> Tensor:
+        """The norm over the whole model: each pipeline rank's share (a tied parameter counted
+        on the lowest rank holding it) combined over the pipeline's group; the replicas hold
+        equal gradients after the average, so each gets the same norm."""
+        params = [p for _, p in self.named_parameters(model)]
+        copies = self.ties.copies() if self.ties is not None else set()
+        share = get_total_norm([p.grad for p in params if p.grad is not None
+                                and id(p) not in copies], norm_type)
+        share = share.to(self.context.device, torch.float64)
+        inf = norm_type == float("inf")
+        if not inf:
+            share = share.pow(norm_type)
+        with self.context.guard("gradient norm"):
+            work = dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                                   group=self.context.pp_group, async_op=True)
+            self.context.wait_work(work, None, "the gradient norm")
+        total = share if inf else share.pow(1.0 / norm_type)
+        if error_if_nonfinite and not bool(total.isfinite()):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is {float(total)}; "
+                "pass error_if_nonfinite=False to clip anyway"
+            )
+        clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     # -- per-step agreement -----------------------------------------------------------------------
 

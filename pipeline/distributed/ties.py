@@ -60,6 +60,11 @@ class TieSync:
                 if layout.rank in members:
                     self.mine.append((params[tie.name], group, members[0]))
 
+    def copies(self) -> set[int]:
+        """ids of the tied parameters whose copy on this process is not the lowest pipeline
+        rank's (counted once, there, in a norm over the model)."""
+        return {id(p) for p, _, src in self.mine if src != self.ctx.layout.rank}
+
     def start(self) -> None:
         """Copy the tied parameters from the lowest pipeline rank holding them."""
         with self.ctx.guard("tied-parameter sync"), torch.no_grad():
