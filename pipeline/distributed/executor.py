@@ -1,9 +1,9 @@
 """`DistributedExecutor`: this process's pipeline rank of a Schedule under torch.distributed.
 It runs the shared `RankRuntime` over a `P2PTransport`, averages gradients over replicas
-(`GradSync`), keeps their in-place-updated buffers equal (`BufferSync`), sums the gradients
-of parameters tied across pipeline ranks (`TieSync`), agrees on each
-step's batch shapes with its pipeline, and ends each step with the loss on every process and
-the pipeline's trace on global rank 0.
+(`GradSync`) and keeps their written buffers equal (`BufferSync`), sums the gradients of
+parameters tied across pipeline ranks (`TieSync`), agrees on each step's batch shapes with its
+pipeline, and ends each step with the loss on every process and the pipeline's trace on global
+rank 0; `clip_grad_norm_` clips by the whole model's norm.
 
 Shapes. Tensor shapes and dtypes crossing ranks come from running the plan: at the first step
 (and whenever the batch's shapes change) each message is preceded by a small metadata message,
