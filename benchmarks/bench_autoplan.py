@@ -15,8 +15,8 @@ import torch
 from report import write_results
 
 from partitioner import capture, profile
-from pipeline.autoplan import AutoPlan, search
-from pipeline.models import GPT, TransformerBlock
+from pipeline.app.models import GPT, TransformerBlock
+from pipeline.planning.autoplan import AutoPlan, search
 
 WORLDS = (8, 64, 1024)
 REPEATS = 3

@@ -1,6 +1,6 @@
 """Benchmark: how close the simulator's predicted step is to the measured one, for every
 schedule, in the local executor (threads) and the distributed executor (2 gloo processes),
-with profiled costs and with costs calibrated from measured traces (pipeline.calibration).
+with profiled costs and with costs calibrated from measured traces (pipeline.planning.calibration).
 
 Two models: an 8-block MLP-transformer stack (dim 256) and a model no one here wrote, a
 Hugging Face GPT-2 built from a small config (4 layers, width 128, 64 tokens, tied embedding;
@@ -35,7 +35,7 @@ Case = tuple[nn.Module, Any, torch.Tensor, Callable[[Any, torch.Tensor], torch.T
 
 
 def _mlp() -> Case:
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
 
     model = mlp_stack(blocks=8, dim=256)
     return model, torch.randn(64, 256), torch.randn(64, 256), F.mse_loss
@@ -69,8 +69,8 @@ def measure_all(model_name: str) -> dict[str, dict[str, float]]:
     """Profiled and calibrated predictions against held-out measured steps, per schedule
     (on a distributed run, every process calls this; rank 0's figures are complete)."""
     from pipeline import Pipeline
-    from pipeline.calibration import calibrated_costs, held_out_check
-    from pipeline.costs import predict
+    from pipeline.planning.calibration import calibrated_costs, held_out_check
+    from pipeline.planning.costs import predict
     from scheduler import SCHEDULES
 
     rows = {}
@@ -162,7 +162,8 @@ def main() -> None:
         f"calibration steps and {MEASURED_STEPS} held-out steps taking turns; the median of "
         "the held-out steps' traces is \"measured\"; step noise = half their interquartile "
         "range over that median. Calibrated = the median of the steps predicted from each "
-        "calibration step (pipeline.calibration.predict_calibrated); median figures = one step "
+        "calibration step (pipeline.planning.calibration.predict_calibrated); median figures = "
+        "one step "
         "predicted from each figure's median over the calibration steps (the model before, "
         "same traces); re-measured = the calibration steps' own median measured step (the "
         "error of predicting by measuring again: the floor this machine's noise sets). Errors "

@@ -10,7 +10,7 @@ and the transport's own calls (timed by wrapping them), per rank and microbatch:
   using it, for the uses that waited for nothing else (the receiver was idle);
 - minor page faults per step.
 
-And where the step goes by the cost model (pipeline.calibration, calibrated on these steps'
+And where the step goes by the cost model (pipeline.planning.calibration, calibrated on these steps'
 traces): the calibrated prediction, then the same without the transfer latency, without the
 runtime's own time per action as well, and with every action at its step's mean as well
 (no spread: a rank's slow action holds the other rank up, so variation lengthens a step). Two
@@ -66,7 +66,7 @@ def _outside(rank: int, dim: int, hidden: int, x: torch.Tensor,
     """This rank's stage module (same split) run over the step's microbatches outside the
     pipeline; returns a function timing one pass: (median F, median B) in seconds."""
     from partitioner import capture, partition, split_model
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
 
     torch.manual_seed(0)
     model = mlp_stack(blocks=8, dim=dim, hidden=hidden)
@@ -103,7 +103,7 @@ def _case(rank: int, dim: int, hidden: int, rows: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pipeline import Pipeline
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
 
     torch.manual_seed(1)
     x, y = torch.randn(rows * M, dim), torch.randn(rows * M, dim)
@@ -158,9 +158,9 @@ def _model(schedule: Any, timelines: list[Any], sample: torch.Tensor, dim: int,
     """The calibrated prediction of these steps, then with latency, overhead and spread
     taken out one after another (seconds)."""
     from partitioner import capture, partition, profile
-    from pipeline.calibration import calibrate, calibrated_costs, predict_calibrated
-    from pipeline.costs import stage_costs
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
+    from pipeline.planning.calibration import calibrate, calibrated_costs, predict_calibrated
+    from pipeline.planning.costs import stage_costs
 
     model = mlp_stack(blocks=8, dim=dim, hidden=hidden)
     graph = capture(model, (sample,))

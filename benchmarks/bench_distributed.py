@@ -13,7 +13,7 @@ grads are set to None before each step (outside the timed part), as a training l
 zero_grad() does: otherwise grads would pile up over steps, and Pipeline.step, which sets
 existing grads aside and adds them back so a failed step leaves them untouched, would pay one
 extra pass over them that training never pays. Per hybridpipe run it also checks the cost
-model: the calibrated prediction against held-out steps (pipeline.calibration).
+model: the calibrated prediction against held-out steps (pipeline.planning.calibration).
 Writes benchmarks/results/distributed.{md,json}.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py   (it launches its own 2 processes;
@@ -37,7 +37,7 @@ from report import write_results
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
-    from pipeline.costs import StageCosts
+    from pipeline.planning.costs import StageCosts
 
 P = 2
 REPEATS, WARMUP = int(os.environ.get("BENCH_REPEATS", "30")), 3
@@ -87,7 +87,7 @@ def _fitted(
     the idle gaps of hybridpipe's measured traces (rank 0 holds the pipeline's trace), and the
     cost model's check: the step predicted from costs calibrated on `steps` steps against the
     median of `steps` held-out steps taking turns with them (empty on other ranks)."""
-    from pipeline.calibration import held_out_check
+    from pipeline.planning.calibration import held_out_check
 
     check = held_out_check(pipe, x, y, steps, steps, costs)
     if check is None:
@@ -102,7 +102,7 @@ def _pipeline(schedule: str, dim: int, hidden: int, m: int, x: torch.Tensor) -> 
     """A Pipeline on the uniform split (the stages torch's runs get: a profile-balanced split
     of 8 equal blocks moves with timing noise)."""
     from pipeline import Pipeline
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
 
     return Pipeline(mlp_stack(blocks=8, dim=dim, hidden=hidden), stages=P, schedule=schedule,
                     microbatches=m, loss_fn=F.mse_loss, balance="uniform", example_input=x)
@@ -113,8 +113,8 @@ def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from partitioner import capture, partition, profile, split_model
-    from pipeline.costs import stage_costs
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
+    from pipeline.planning.costs import stage_costs
 
     torch.manual_seed(0)
     x, y = torch.randn(rows * m, dim), torch.randn(rows * m, dim)
@@ -280,7 +280,8 @@ def _report(data: dict[str, Any]) -> str:
                          f"{n} actions per rank; compute {1e6 * compute:.0f} / {1e6 * busy:.0f} "
                          "us per action)")
     k = next(res["check_steps"] for res in cases.values())
-    lines += ["", "The cost model per hybridpipe run (pipeline.calibration.held_out_check, "
+    lines += ["", "The cost model per hybridpipe run "
+              "(pipeline.planning.calibration.held_out_check, "
               f"{2 * k} more steps per run: {k} to calibrate on, {k} held out, taking turns): "
               "the runtime's own "
               "time per action (the gap between two actions of a rank that waits for nothing) "

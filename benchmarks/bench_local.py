@@ -23,7 +23,7 @@ from report import write_results
 from torch.nn import functional as F
 
 from pipeline import Pipeline
-from pipeline.models import mlp_stack
+from pipeline.app.models import mlp_stack
 from scheduler import Op, Timeline, simulate
 
 RANKS, MICROBATCHES = 2, 8

@@ -27,7 +27,7 @@ from torch import nn
 
 from partitioner import Plan, capture, partition, partition_chain, profile, split_model
 from partitioner.solver import block_partition
-from pipeline.models import GPT, mlp_stack, skewed_model
+from pipeline.app.models import GPT, mlp_stack, skewed_model
 
 STAGES = (2, 4, 8)
 METHODS = ("uniform", "parameters", "block", "profile")

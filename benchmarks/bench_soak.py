@@ -43,8 +43,8 @@ def _worker(out: Path) -> None:
     import torch.distributed as dist
 
     from pipeline import Pipeline
-    from pipeline.models import GPT
-    from pipeline.textdata import TokenBatches, stdlib_corpus
+    from pipeline.app.models import GPT
+    from pipeline.app.textdata import TokenBatches, stdlib_corpus
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

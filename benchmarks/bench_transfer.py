@@ -1,6 +1,6 @@
 """Benchmark: the time a tensor takes from its sender's send call to its receiver's wait
 returning, 2 gloo ranks on this machine, by how the send is posted (inline from the sending
-thread, or from the executor's per-step sender thread, `pipeline.distributed.p2p._Sender`,
+thread, or from the executor's per-step sender thread, `pipeline.execution.distributed.p2p._Sender`,
 without and with its handoff: the caller waits until the thread has taken the message) and
 by what the sender does next (kernels, which release Python's GIL, or Python code, which holds
 it). Rank 0 sends a 16 KiB message, then works ~0.6 ms, then waits for rank 1's reply; rank 1
@@ -40,7 +40,7 @@ def _python() -> None:
 def _worker() -> None:
     import torch.distributed as dist
 
-    from pipeline.distributed.p2p import _Sender
+    from pipeline.execution.distributed.p2p import _Sender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

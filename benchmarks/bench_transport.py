@@ -32,8 +32,8 @@ def _pipeline(schedule: str, dim: int, hidden: int, before: bool) -> object:
     from torch.nn import functional as F
 
     from pipeline import Pipeline
-    from pipeline.distributed import executor, p2p
-    from pipeline.models import mlp_stack
+    from pipeline.app.models import mlp_stack
+    from pipeline.execution.distributed import executor, p2p
 
     plain = p2p.P2PTransport
     if before:  # the transport as it posted before: no handoff, two receives ahead

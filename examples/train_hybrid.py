@@ -6,7 +6,7 @@ runs 2 pipeline stages x 2 data-parallel replicas (world size 4): ranks 0-1 are 
 pipeline, ranks 2-3 replica 1's; ranks {0, 2} and {1, 3} average their gradients. Each replica
 trains on its own batches of byte windows from the Python standard library's source. Rank 0
 prints the loss (mean over replicas) and the step time; the script ends with a checkpoint that
-any layout can resume from (``--resume``). Several nodes: see pipeline.distributed.
+any layout can resume from (``--resume``). Several nodes: see pipeline.execution.distributed.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from pipeline import Pipeline
-from pipeline.models import GPT
-from pipeline.textdata import TokenBatches, stdlib_corpus
+from pipeline.app.models import GPT
+from pipeline.app.textdata import TokenBatches, stdlib_corpus
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

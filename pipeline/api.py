@@ -1,8 +1,8 @@
 """`Pipeline`: the user-facing facade. It checks the settings, then hands planning to a
-`Planner` (capture -> profile -> partition -> split -> costs; pipeline.planner) and running to
-an `Executor` (pipeline.executor): local threads in one process, or one process per pipeline
-rank under torchrun (pipeline.distributed). Every method below is one code path; the local
-and distributed difference lives in the executor."""
+`Planner` (capture -> profile -> partition -> split -> costs; pipeline.planning.planner) and
+running to an `Executor` (pipeline.execution.executor): local threads in one process, or one
+process per pipeline rank under torchrun (pipeline.execution.distributed). Every method below is
+one code path; the local and distributed difference lives in the executor."""
 
 from __future__ import annotations
 
@@ -25,8 +25,13 @@ from partitioner import Plan, StageModule, split_model
 from partitioner.capture import call_structure, check_inputs, check_mode
 from partitioner.exported import flat_inputs
 from pipeline import checkpoint
-from pipeline.autoplan import AutoPlan
-from pipeline.calibration import (
+from pipeline.execution.distributed import DistContext, DistributedExecutor
+from pipeline.execution.executor import Executor
+from pipeline.execution.local import LocalExecutor, resolve_devices
+from pipeline.execution.runtime import LossFn
+from pipeline.execution.timeouts import resolve_timeout
+from pipeline.planning.autoplan import AutoPlan
+from pipeline.planning.calibration import (
     Calibration,
     Rebalance,
     calibrate,
@@ -35,15 +40,10 @@ from pipeline.calibration import (
     predict_calibrated,
     propose_rebalance,
 )
-from pipeline.costs import StageCosts, costs_for_stages, predict
-from pipeline.distributed import DistContext, DistributedExecutor
-from pipeline.executor import Executor
-from pipeline.local import LocalExecutor, resolve_devices
-from pipeline.microbatch import Batch, batch_size, split_microbatches, tensor_leaves
-from pipeline.planner import Planned, Planner
-from pipeline.runtime import LossFn
-from pipeline.settings import pipeline_settings
-from pipeline.timeouts import resolve_timeout
+from pipeline.planning.costs import StageCosts, costs_for_stages, predict
+from pipeline.planning.microbatch import Batch, batch_size, split_microbatches, tensor_leaves
+from pipeline.planning.planner import Planned, Planner
+from pipeline.planning.settings import pipeline_settings
 from scheduler import Schedule, Timeline, build_schedule
 
 log = logging.getLogger("hybridpipe")
@@ -98,8 +98,8 @@ class Pipeline:
     - ``microbatches``: default ``min(2 x stages, batch size)`` of the first batch (logged on the
       "hybridpipe" logger). Batches are split along dim 0 as ``torch.tensor_split`` does.
     - ``schedule="auto"``, ``microbatches="auto"``, ``virtual_stages="auto"``: chosen on the
-      first batch by simulating the candidates on the profiled model (pipeline.autoplan; the
-      fastest predicted step), under ``memory_limit`` bytes per device (parameters x 4 for
+      first batch by simulating the candidates on the profiled model (pipeline.planning.autoplan;
+      the fastest predicted step), under ``memory_limit`` bytes per device (parameters x 4 for
       weights, grads and Adam, plus the simulated peak of held activations). ``pipe.autoplan``
       holds the ranked candidates.
     - ``example_input``: when given, the plan is made now; otherwise from the first batch
@@ -108,7 +108,7 @@ class Pipeline:
       (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations. With a
       split-backward (zero-bubble) schedule, every stage but the first recomputes twice, once
       for B and once for W (torch's checkpoint recomputes once per backward call), and W
-      re-walks the input-grad path (see pipeline.runtime).
+      re-walks the input-grad path (see pipeline.execution.runtime).
     - ``timeout``: seconds any wait for a tensor may take before the step fails (default
       $HYBRIDPIPE_TIMEOUT, else 120).
     - ``leaf_modules``: module classes kept whole when capturing: one unit of the exported
@@ -122,8 +122,8 @@ class Pipeline:
 
     Under torchrun (torch.distributed initialised) the same call runs one pipeline rank per
     process with ``data_parallel`` (default world_size // stages) replicas; see
-    pipeline.distributed for the rank layout, the timeout and multi-node launch. Every process
-    makes the same calls; each passes its replica's batch to ``step`` (a process that holds
+    pipeline.execution.distributed for the rank layout, the timeout and multi-node launch. Every
+    process makes the same calls; each passes its replica's batch to ``step`` (a process that holds
     neither stage 0 nor the last stage may pass None for both, the first-stage process may pass
     None for targets and the last-stage one None for inputs). Global rank 0 makes the plan and
     the others follow it; each process keeps only its own stages' parameters (the others are
@@ -397,10 +397,10 @@ class Pipeline:
         self, schedule: Schedule | str | None = None, comm: float | None = None,
         calibrated: bool = True,
     ) -> Timeline:
-        """The predicted Timeline of one step (pipeline.costs.predict). Costs are the
+        """The predicted Timeline of one step (pipeline.planning.costs.predict). Costs are the
         calibrated ones (`calibration`: measured action times, runtime overhead per action and
         transfer latency; the median of the steps predicted from each measured step, see
-        `pipeline.calibration.predict_calibrated`) once steps have been measured and
+        `pipeline.planning.calibration.predict_calibrated`) once steps have been measured and
         `calibrated`, else the profiled ones. `schedule`: another Schedule or schedule name to
         predict on this model (default: the one being run); for a different stage count the
         (calibrated) graph is re-partitioned as ``balance`` says. `comm`: seconds per
@@ -448,8 +448,8 @@ class Pipeline:
 
     @property
     def calibration(self) -> Calibration | None:
-        """Measured costs from the recorded step traces (pipeline.calibration), or None before
-        the second step (the first is warm-up)."""
+        """Measured costs from the recorded step traces (pipeline.planning.calibration), or None
+        before the second step (the first is warm-up)."""
         if not self._measured:
             return None
         return calibrate(self.schedule, list(self._measured))

@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pipeline.distributed import DistContext, agree
+from pipeline.execution.distributed import DistContext, agree
 
 FORMAT = "hybridpipe-checkpoint"
 VERSION = 2

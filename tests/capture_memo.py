@@ -1,9 +1,9 @@
-"""A memoizing stand-in for `pipeline.planner.capture`, for tests that build many Pipelines on
-one model object: torch.export takes seconds a call (resnet18 ~2 s, GPT-2 more under four
-processes), so the first call per (model object, input structure, options, leaf shapes and
-dtypes) captures for real and every later one gets a copy of that graph (a networkx copy, so
-attributes written by profiling cannot leak from one Pipeline into the next). The graph reads
-the model's own parameters, which is why the key is the model object, not its class."""
+"""A memoizing stand-in for `pipeline.planning.planner.capture`, for tests that build many
+Pipelines on one model object: torch.export takes seconds a call (resnet18 ~2 s, GPT-2 more
+under four processes), so the first call per (model object, input structure, options, leaf
+shapes and dtypes) captures for real and every later one gets a copy of that graph (a networkx
+copy, so attributes written by profiling cannot leak from one Pipeline into the next). The graph
+reads the model's own parameters, which is why the key is the model object, not its class."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Distributed setup is as safe as a step (pipeline.distributed.agreement, pipeline.settings).
+"""Distributed setup is as safe as a step (pipeline.execution.distributed.agreement,
+pipeline.planning.settings).
 
 Spawned gloo processes (launched as torchrun does, by test_distributed.launch):
 - Pipelines that differ in one setting per case (schedule, microbatches, virtual stages, loss
@@ -64,7 +65,7 @@ def _pipeline(**kwargs: Any) -> Any:
 
 def mismatch_cases() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """Per case: the Pipeline arguments rank 0 and rank 1 use (the rest as in `_pipeline`)."""
-    from pipeline.models import GPT
+    from pipeline.app.models import GPT
     from scheduler import build_schedule
 
     x = global_batch(0, BATCH)[0]
@@ -94,7 +95,7 @@ def worker_mismatch(out: Path) -> None:
     a matching Pipeline trains exactly; then rank 1 gets targets of 6 rows at step 2 (fatal)."""
     import torch.distributed as dist
 
-    from pipeline.distributed import SettingsMismatch
+    from pipeline.execution.distributed import SettingsMismatch
 
     _init()
     rank = dist.get_rank()
@@ -369,7 +370,7 @@ def test_rank_hanging_while_building_is_named(tmp_path: Path) -> None:
 
 
 def test_mismatch_message_groups_ranks_and_shows_the_first_difference() -> None:
-    from pipeline.settings import Setting, mismatch_message
+    from pipeline.planning.settings import Setting, mismatch_message
 
     same = {"stages": Setting("2")}
     per_rank = [
@@ -392,7 +393,7 @@ def _agreements(world: int, timeout: float) -> list[Any]:
     """One Agreement per rank, each with its own client of one store (as processes have)."""
     import torch.distributed as dist
 
-    from pipeline.distributed.agreement import Agreement
+    from pipeline.execution.distributed.agreement import Agreement
 
     wait = datetime.timedelta(seconds=10)
     host = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=wait,
@@ -422,8 +423,8 @@ def _in_threads(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 def test_sync_gives_rank_zeros_payload_and_names_a_failed_or_silent_rank() -> None:
-    from pipeline.distributed import RankFailure, SettingsMismatch
-    from pipeline.settings import Setting
+    from pipeline.execution.distributed import RankFailure, SettingsMismatch
+    from pipeline.planning.settings import Setting
 
     a = _agreements(3, timeout=1.0)
     got = _in_threads([lambda: a[0].sync("one", {"plan": 7}, {"s": Setting("x")}),

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from partitioner import capture
 from pipeline import Pipeline
-from pipeline.autoplan import OPTIMIZER_FACTOR, _scaled, search
-from pipeline.cli import main
-from pipeline.costs import costs_for_stages, predict
-from pipeline.models import mlp_stack
+from pipeline.app.cli import main
+from pipeline.app.models import mlp_stack
+from pipeline.planning.autoplan import OPTIMIZER_FACTOR, _scaled, search
+from pipeline.planning.costs import costs_for_stages, predict
 from scheduler import build_schedule, simulate
 from scheduler.simulate import summarize
 

@@ -13,15 +13,15 @@ from torch import nn
 
 from partitioner import capture, partition
 from pipeline import Pipeline
-from pipeline.calibration import (
+from pipeline.app.models import ResidualMLP, mlp_stack
+from pipeline.planning.calibration import (
     calibrate,
     calibrated_costs,
     held_out_check,
     predict_calibrated,
     propose_rebalance,
 )
-from pipeline.costs import predict, stage_costs
-from pipeline.models import ResidualMLP, mlp_stack
+from pipeline.planning.costs import predict, stage_costs
 from scheduler import Op, Timeline, build_schedule, simulate
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline import Pipeline
-from pipeline.models import GPT
+from pipeline.app.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
+from pipeline.app.cli import main
 from scheduler import SCHEDULES, build_schedule, simulate
 from viz import to_chrome_trace
 
@@ -268,14 +268,14 @@ def test_profile_builtin_model_writes_plan_and_plot(
 
 
 def test_profile_times_a_factory_model(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["profile", "pipeline.models:SkipNet", "--input-shape", "4,32", "--stages", "2"]
+    argv = ["profile", "pipeline.app.models:SkipNet", "--input-shape", "4,32", "--stages", "2"]
     assert main([*argv, "--repeats", "1"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     assert lines[0] == "Plan (profile): 2 stages"
     assert lines[-1] == "(add --out DIR to write partition.png and plan.json)"
     progress = captured.err.splitlines()
-    assert progress[0] == "capturing pipeline.models:SkipNet on input 4x32 ..."
+    assert progress[0] == "capturing pipeline.app.models:SkipNet on input 4x32 ..."
     assert re.fullmatch(r"captured 34 nodes in \d+\.\d s", progress[1]), progress[1]
     assert progress[2] == "profiling on cpu (1 timed runs per node) ..."
     assert re.fullmatch(r"profiled in \d+\.\d s", progress[-1]), progress[-1]
@@ -297,13 +297,14 @@ def test_profile_rejects_bad_models_and_arguments(capsys: pytest.CaptureFixture[
         "named 'no_such_pkg'); check the module path and that it is importable from here "
         "(PYTHONPATH)"
     )
-    bad_factory = "pipeline.models:no_such_factory"
+    bad_factory = "pipeline.app.models:no_such_factory"
     assert refused(capsys, "profile", bad_factory, "--input-shape", "2,3") == (
-        "pipeline.models has no callable 'no_such_factory' for MODEL "
-        "'pipeline.models:no_such_factory'"
+        "pipeline.app.models has no callable 'no_such_factory' for MODEL "
+        "'pipeline.app.models:no_such_factory'"
     )
-    assert refused(capsys, "profile", "pipeline.models:GPT") == (
-        "--input-shape is required for MODEL 'pipeline.models:GPT' (e.g. --input-shape 8,3,224,224)"
+    assert refused(capsys, "profile", "pipeline.app.models:GPT") == (
+        "--input-shape is required for MODEL 'pipeline.app.models:GPT' "
+        "(e.g. --input-shape 8,3,224,224)"
     )
     assert refused(capsys, "profile", "gpt", "--balance", "fast") == (
         "argument --balance: invalid balance 'fast': choose from profile, parameters, uniform, "

@@ -10,9 +10,9 @@ from torch import nn
 
 from partitioner import capture, partition, profile
 from pipeline import Pipeline
-from pipeline.costs import action_costs, predict, stage_costs
-from pipeline.demo import compare_schedules
-from pipeline.models import ResidualMLP, mlp_stack
+from pipeline.app.demo import compare_schedules
+from pipeline.app.models import ResidualMLP, mlp_stack
+from pipeline.planning.costs import action_costs, predict, stage_costs
 from scheduler import Op, build_schedule
 
 
@@ -90,7 +90,7 @@ def test_pipeline_simulate_and_demo_comparison_agree() -> None:
 def test_measured_spread_lengthens_the_predicted_step_and_is_reproducible() -> None:
     """A pipeline waits for its slowest actions: with actions drawn from a spread around their
     mean the median replayed step is longer than the step of mean actions (1F1B, p=2)."""
-    from pipeline.costs import StageCosts
+    from pipeline.planning.costs import StageCosts
 
     costs = StageCosts(
         forward=[1.0, 1.0], input_grad=[1.0, 1.0], weight_grad=[1.0, 1.0],

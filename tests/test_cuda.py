@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from pipeline import Pipeline, streams
-from pipeline.models import SkipNet
+from pipeline.app.models import SkipNet
 
 pytestmark = [
     pytest.mark.cuda,

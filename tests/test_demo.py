@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import demo
-from pipeline.cli import main
-from pipeline.demo import DemoConfig, run_demo
-from pipeline.textdata import TokenBatches, stdlib_corpus
+from pipeline.app import demo
+from pipeline.app.cli import main
+from pipeline.app.demo import DemoConfig, run_demo
+from pipeline.app.textdata import TokenBatches, stdlib_corpus
 
 EXPECTED = {
     "loss.png",

@@ -112,7 +112,7 @@ def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def make_model(seed: int = 0) -> nn.Module:
-    from pipeline.models import GPT
+    from pipeline.app.models import GPT
 
     torch.manual_seed(seed)
     return GPT(vocab=VOCAB, dim=16, layers=4, heads=2, max_seq=8).double()
@@ -318,9 +318,10 @@ def worker_schedules(out: Path) -> None:
     _init()
     for schedule in sorted(SCHEDULES):
         Checker(2, schedule).train(10)
-    import pipeline.distributed.gradsync
+    import pipeline.execution.distributed.gradsync
 
-    pipeline.distributed.gradsync.BUCKET_BYTES = 4096  # several gradient buckets per stage
+    # several gradient buckets per stage
+    pipeline.execution.distributed.gradsync.BUCKET_BYTES = 4096
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         Checker(1, schedule).train(10)
     c = Checker(2, "1f1b")
@@ -501,7 +502,7 @@ def test_hung_rank_is_named_after_the_timeout(tmp_path: Path) -> None:
 
 
 def test_layout_and_divisibility() -> None:
-    from pipeline.distributed import make_layout
+    from pipeline.execution.distributed import make_layout
 
     layout = make_layout(4, world_size=8, rank=5)
     assert (layout.data_parallel, layout.pp_rank, layout.dp_rank) == (2, 1, 1)
@@ -516,7 +517,7 @@ def test_layout_and_divisibility() -> None:
 
 
 def test_message_packing_and_metadata_round_trip() -> None:
-    from pipeline.distributed.p2p import decode_meta, encode_meta, pack, unpack
+    from pipeline.execution.distributed.p2p import decode_meta, encode_meta, pack, unpack
 
     tensors = [torch.randn(2, 3), torch.arange(5), torch.randn(4).t(), torch.ones(1, 1, 2)]
     layout = decode_meta(encode_meta(tensors))
@@ -550,7 +551,7 @@ def test_sender_handoff_returns_once_taken_and_is_bounded_by_a_stuck_send(
     """`post` returns when the sender thread has taken the message (so it leaves without
     waiting for the GIL behind the caller's next action), and returns within its bound when
     the thread is still inside an earlier, stuck isend; `close` then posts what is queued."""
-    from pipeline.distributed import p2p
+    from pipeline.execution.distributed import p2p
 
     group = _BlockingGroup()
     sender = p2p._Sender(group)  # type: ignore[arg-type]
@@ -575,7 +576,7 @@ def test_receives_are_posted_ahead_within_the_byte_budget() -> None:
     window up again, in the peer's send order."""
     from types import SimpleNamespace
 
-    from pipeline.distributed.p2p import P2PTransport
+    from pipeline.execution.distributed.p2p import P2PTransport
     from scheduler import Op, Recv
 
     posted: list[int] = []
@@ -629,7 +630,7 @@ def test_receives_are_posted_in_each_senders_order() -> None:
 def test_gradient_buckets_respect_the_cap() -> None:
     from types import SimpleNamespace
 
-    from pipeline.distributed import GradSync
+    from pipeline.execution.distributed import GradSync
 
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 30, 5, 40, 1)]
     params.append(nn.Parameter(torch.zeros(3, dtype=torch.float64)))
@@ -644,8 +645,8 @@ def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
 ) -> None:
     from types import SimpleNamespace
 
-    from pipeline.distributed import gradsync
-    from pipeline.runtime import running_statistics
+    from pipeline.execution.distributed import gradsync
+    from pipeline.execution.runtime import running_statistics
 
     class Counting(nn.Module):
         def __init__(self) -> None:
@@ -682,8 +683,8 @@ def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
 def test_shared_parameter_is_reduced_once_with_the_stage_that_finishes_last() -> None:
     from types import SimpleNamespace
 
-    from pipeline.distributed import GradSync
-    from pipeline.distributed.gradsync import finish_order
+    from pipeline.execution.distributed import GradSync
+    from pipeline.execution.distributed.gradsync import finish_order
     from scheduler import Schedule, build_schedule
 
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 30, 5)]
@@ -703,7 +704,7 @@ def test_shared_parameter_is_reduced_once_with_the_stage_that_finishes_last() ->
 
 
 def test_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.distributed import DEFAULT_TIMEOUT, ENV_TIMEOUT, resolve_timeout
+    from pipeline.execution.distributed import DEFAULT_TIMEOUT, ENV_TIMEOUT, resolve_timeout
 
     monkeypatch.delenv(ENV_TIMEOUT, raising=False)
     assert resolve_timeout(None) == DEFAULT_TIMEOUT

@@ -99,7 +99,7 @@ def _check_model(name: str, cases: dict[int, list[tuple[str, int]]]) -> None:
 def worker_tied(out: Path) -> None:
     import torch.distributed as dist
 
-    from pipeline import planner
+    from pipeline.planning import planner
     from tests.capture_memo import memo_capture
 
     torch.set_num_threads(1)

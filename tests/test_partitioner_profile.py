@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from partitioner import capture, partition, partition_chain, profile
-from pipeline.models import GPT, mlp_stack, skewed_model
+from pipeline.app.models import GPT, mlp_stack, skewed_model
 
 
 class Noisy(nn.Module):

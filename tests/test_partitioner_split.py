@@ -14,7 +14,7 @@ import torchvision
 from torch import nn
 
 from partitioner import CaptureError, StageModule, capture, partition, split_model
-from pipeline.models import GPT, SkipNet, TransformerBlock, mlp_stack
+from pipeline.app.models import GPT, SkipNet, TransformerBlock, mlp_stack
 
 
 def run_chain(stages: list[StageModule], inputs: tuple[Any, ...]) -> Any:

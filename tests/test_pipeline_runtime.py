@@ -14,14 +14,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline import Pipeline, streams
-from pipeline.local import LocalTransport, _Mailbox
-from pipeline.microbatch import (
+from pipeline.execution.local import LocalTransport, _Mailbox
+from pipeline.execution.runtime import PipelineAborted, RankRuntime
+from pipeline.planning.microbatch import (
     batch_size,
     merge_microbatches,
     microbatch_sizes,
     split_microbatches,
 )
-from pipeline.runtime import PipelineAborted, RankRuntime
 from scheduler import Op, Recv, Schedule, Send, build_schedule
 
 ATOL = 1e-10
@@ -393,7 +393,7 @@ def test_split_backward_weight_reached_two_ways(
 
 
 def test_accumulate_grads_sums_a_parameter_listed_twice() -> None:
-    from pipeline.runtime import accumulate_grads
+    from pipeline.execution.runtime import accumulate_grads
 
     p = torch.zeros(3)
     accumulate_grads([p, p], [torch.ones(3), 2 * torch.ones(3)])

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline import Pipeline, planner
-from pipeline.models import GPT, SkipNet
+from pipeline.app.models import GPT, SkipNet
 from scheduler import SCHEDULES, Action, Op
 from tests.capture_memo import memo_capture
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeline.distributed.agreement import Agreement, portable
-from pipeline.distributed.failure import Failures
-from pipeline.distributed.topology import DIMS, make_layout
-from pipeline.timeouts import resolve_timeout
+from pipeline.execution.distributed.agreement import Agreement, portable
+from pipeline.execution.distributed.failure import Failures
+from pipeline.execution.distributed.topology import DIMS, make_layout
+from pipeline.execution.timeouts import resolve_timeout
 
 
 class DistContext:
@@ -27,9 +27,9 @@ class DistContext:
 
     `layout`: where it sits in the (dp, pp) mesh; `dp_group` its gradient group (the replicas
     of its pipeline rank), `pp_group` its pipeline; `device` cuda:LOCAL_RANK under NCCL, else
-    CPU; `guard` / `wait_work` the failure protocol (pipeline.distributed.failure);
-    `agreement` the setup's sync points (pipeline.distributed.agreement). The process groups
-    are made on first use (the executor makes them once every process has checked in), so
+    CPU; `guard` / `wait_work` the failure protocol (pipeline.execution.distributed.failure);
+    `agreement` the setup's sync points (pipeline.execution.distributed.agreement). The process
+    groups are made on first use (the executor makes them once every process has checked in), so
     that a peer that is gone is named by the setup checks, not by a hang in group creation."""
 
     def __init__(

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.distributed.context import DistContext
-from pipeline.distributed.failure import CommError
+from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.failure import CommError
 from scheduler import MessageKey, Op, Recv, Send, describe_message
 
 META_LEN = 256  # int64 slots in a metadata message
@@ -203,7 +203,7 @@ class P2PTransport:
     whose receives hold its stream, it stays at `prefetch`. Sends are isends (under gloo
     posted from a `_Sender` thread, with its `handoff` unless handoff=False) whose completion
     is awaited in `finish`. Message shapes are cached per batch-shape key (see
-    pipeline.distributed.executor).
+    pipeline.execution.distributed.executor).
     """
 
     def __init__(

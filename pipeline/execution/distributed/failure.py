@@ -3,7 +3,7 @@ that fails records the first failure of the job in the c10d store and tears its 
 group down, so that its peers' waits fail at once and each of them raises `RankFailure`
 naming the process that failed first (or the one that stopped answering). During setup,
 before any tensor moved, the same reports travel through the store's sync points instead
-(pipeline.distributed.agreement)."""
+(pipeline.execution.distributed.agreement)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.distributed.topology import Layout
-from pipeline.timeouts import ENV_TIMEOUT
+from pipeline.execution.distributed.topology import Layout
+from pipeline.execution.timeouts import ENV_TIMEOUT
 
 _FAILED_COUNT = "hybridpipe/failed/count"
 _FAILED_TEXT = "hybridpipe/failed/text"

@@ -2,8 +2,8 @@
 a batch, splitting it into microbatches (with each microbatch's loss weight) and placing
 them on the devices of the first and last stage. An executor places the planned stage modules
 on its devices (`load`) and runs steps; the local one with one thread per pipeline rank
-(pipeline.local), the distributed one with one process per pipeline rank
-(pipeline.distributed)."""
+(pipeline.execution.local), the distributed one with one process per pipeline rank
+(pipeline.execution.distributed)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import torch
 from torch import Tensor, nn
 
 from partitioner import StageModule
-from pipeline.microbatch import (
+from pipeline.execution.runtime import LossFn, StepResult, apply_input_grads
+from pipeline.planning.microbatch import (
     batch_size,
     merge_microbatches,
     microbatch_sizes,
     split_microbatches,
     to_device,
 )
-from pipeline.planner import Coordination, Planned
-from pipeline.runtime import LossFn, StepResult, apply_input_grads
+from pipeline.planning.planner import Coordination, Planned
 from scheduler import Schedule
 
 if TYPE_CHECKING:
-    from pipeline.distributed.context import DistContext
+    from pipeline.execution.distributed.context import DistContext
 
 
 class Executor(ABC):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipeline.distributed.context import DistContext
+from pipeline.execution.distributed.context import DistContext
 from scheduler import Op, Schedule
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket cap (as DDP's 25 MB)
@@ -132,7 +132,7 @@ def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
 class BufferSync:
     """Keeps the replicas' buffers equal, as DDP's broadcast_buffers does: `finish` copies from
     replica 0 the buffers the step or forward wrote, which are the `running` ones (see
-    `pipeline.runtime.running_statistics`: BatchNorm updates them inside its kernel) and
+    `pipeline.execution.runtime.running_statistics`: BatchNorm updates them inside its kernel) and
     every other buffer whose version counter moved since `begin` (an in-place write:
     `copy_`, `add_`); constant buffers cost nothing. Every replica runs the same graph in
     the same mode, so the buffers written are the same on each. Without it each replica's

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.distributed.context import DistContext
+from pipeline.execution.distributed.context import DistContext
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 loss weighting, a fingerprint of the model's parameter names and shapes) and the structure
 and dtypes of each process's first batch; and the message naming every setting that differs,
 its value on each rank and the fix. The distributed executor compares them at setup
-(pipeline.distributed.agreement); nothing here needs torch.distributed."""
+(pipeline.execution.distributed.agreement); nothing here needs torch.distributed."""
 
 from __future__ import annotations
 

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.api import Pipeline
-from pipeline.autoplan import AutoPlan, search
-from pipeline.calibration import Check, held_out_check
-from pipeline.models import GPT, TransformerBlock
-from pipeline.textdata import TokenBatches, stdlib_corpus
+from pipeline.app.models import GPT, TransformerBlock
+from pipeline.app.textdata import TokenBatches, stdlib_corpus
+from pipeline.planning.autoplan import AutoPlan, search
+from pipeline.planning.calibration import Check, held_out_check
 from scheduler import SCHEDULES, Timeline, build_schedule
 from viz import (
     plot_comparison,
@@ -295,7 +295,8 @@ def _report(
             "",
             "## The cost model per schedule: predicted vs measured",
             "",
-            f"Calibrated on {CHECK_STEPS} steps' traces (pipeline.calibration), measured = "
+            f"Calibrated on {CHECK_STEPS} steps' traces (pipeline.planning.calibration), "
+            "measured = "
             f"median of {CHECK_STEPS} held-out steps taking turns with them; error = predicted / "
             "measured - 1; step noise = half the interquartile range of the held-out steps over "
             "their median (one step's scatter on this machine); re-measured = the calibration "

@@ -11,7 +11,7 @@ From the traces of a few steps (after a warm-up step) of one schedule:
 Within a step means, not medians: a step's makespan adds durations up, and on a loaded
 machine the rare long ones (a descheduled thread) are a real part of it. `calibrated_costs`
 turns them into `StageCosts` (an unsplit schedule's measured backward is divided as the
-profile divides it) for `pipeline.costs.predict(..., latency=, overhead=)`.
+profile divides it) for `pipeline.planning.costs.predict(..., latency=, overhead=)`.
 
 Across steps: `predict_calibrated` predicts steps from each measured step's own calibration
 and returns the median of them all. Not one prediction from the median of each
@@ -38,7 +38,7 @@ from typing import Any
 import networkx as nx
 
 from partitioner import Plan
-from pipeline.costs import StageCosts, predict, replay
+from pipeline.planning.costs import StageCosts, predict, replay
 from scheduler import Action, Op, Schedule, Timeline
 from scheduler.validate import dependencies
 
@@ -49,7 +49,7 @@ class Calibration:
     them (backward is input-grad only when the schedule splits it; weight is 0 otherwise),
     `overhead` seconds per action and `latency` seconds per cross-rank input, from `steps`
     traces (across steps: the median of each); `spread`: every measured action's time over
-    its step's mean for its stage and op (for `pipeline.costs.predict`); `per_step`: the
+    its step's mean for its stage and op (for `pipeline.planning.costs.predict`); `per_step`: the
     calibration of each step alone (empty on a one-step calibration: it is its own)."""
 
     forward: list[float]
@@ -170,7 +170,7 @@ def predict_calibrated(
     latency: float | None = None,
 ) -> Timeline:
     """The median step predicted from each measured step's own calibration
-    (`Calibration.step_calibrations`): every step's replays (`pipeline.costs.replay`, with
+    (`Calibration.step_calibrations`): every step's replays (`pipeline.planning.costs.replay`, with
     its overhead, latency unless `latency` is given, and spread; `costs(step)` gives its stage
     costs, usually ``calibrated_costs(step, profiled)``) pooled, and the median of them, so an
     even number of steps needs no tie-break."""
@@ -269,7 +269,7 @@ def propose_rebalance(
     plans' calibrated predictions for `schedule`; the Rebalance says whether the new plan cuts
     the predicted step by more than `threshold`."""
     from partitioner import partition
-    from pipeline.costs import stage_costs
+    from pipeline.planning.costs import stage_costs
 
     measured = calibrated_costs(calibration, profiled)
     scaled = measured_node_costs(graph, plan, measured)

@@ -5,9 +5,9 @@ microbatch. `Planner.make` returns a `Planned` for an executor to place and run.
 In one process the planner decides alone. Under torch.distributed the executor's
 `Coordination` makes global rank 0 decide (microbatch count, example, plan, costs) and every
 other process follow (`agree`), so that all processes split the model the same way; each
-`agree` also checks that every process has the same settings (pipeline.settings), and each
+`agree` also checks that every process has the same settings (pipeline.planning.settings), and each
 piece of planning runs as a `phase` that the other processes hear about if it fails
-(pipeline.distributed.agreement)."""
+(pipeline.execution.distributed.agreement)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from partitioner import Plan, StageModule, capture, partition, profile, split_model
-from pipeline.autoplan import AutoPlan, search
-from pipeline.costs import StageCosts, stage_costs
-from pipeline.microbatch import batch_size, split_microbatches
-from pipeline.settings import Settings, input_settings, schedule_setting
+from pipeline.planning.autoplan import AutoPlan, search
+from pipeline.planning.costs import StageCosts, stage_costs
+from pipeline.planning.microbatch import batch_size, split_microbatches
+from pipeline.planning.settings import Settings, input_settings, schedule_setting
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
@@ -121,10 +121,10 @@ class Planner:
     (stages) per rank, `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the
     first batch), `balance` as in `partitioner.partition`.
 
-    "auto" for the schedule, the microbatches or the virtual stages lets `pipeline.autoplan`
-    choose them by simulation on the first batch (profiled on a provisional microbatch of
-    ``min(2 x ranks, batch)``), under `memory_limit` bytes per device; the others stay as
-    given. The search result is kept as `autoplan`."""
+    "auto" for the schedule, the microbatches or the virtual stages lets
+    `pipeline.planning.autoplan` choose them by simulation on the first batch (profiled on a
+    provisional microbatch of ``min(2 x ranks, batch)``), under `memory_limit` bytes per device;
+    the others stay as given. The search result is kept as `autoplan`."""
 
     def __init__(
         self,

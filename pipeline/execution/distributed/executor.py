@@ -14,8 +14,8 @@ another call, or holds targets of another batch size, fails naming both values b
 activation moves.
 
 Setup. Planning and `load` run as phases of the context's agreement
-(pipeline.distributed.agreement): no tensor moves before every process has checked in at "the
-start" with the same settings; only then are the process groups made and replica 0's weights
+(pipeline.execution.distributed.agreement): no tensor moves before every process has checked in at
+"the start" with the same settings; only then are the process groups made and replica 0's weights
 copied to the other replicas.
 """
 
@@ -33,14 +33,14 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
-from pipeline.distributed.context import DistContext
-from pipeline.distributed.gradsync import (
+from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.gradsync import (
     BufferSync,
     GradSync,
     finish_order,
     sync_replicas,
 )
-from pipeline.distributed.p2p import (
+from pipeline.execution.distributed.p2p import (
     LOSS_TAG,
     MAX_MICROBATCHES,
     MAX_STAGES,
@@ -48,11 +48,11 @@ from pipeline.distributed.p2p import (
     TRACE_TAG,
     P2PTransport,
 )
-from pipeline.distributed.ties import TieSync, find_ties
-from pipeline.executor import Executor
-from pipeline.microbatch import batch_size
-from pipeline.planner import Coordination, Planned
-from pipeline.runtime import LossFn, RankRuntime, StepResult, running_statistics
+from pipeline.execution.distributed.ties import TieSync, find_ties
+from pipeline.execution.executor import Executor
+from pipeline.execution.runtime import LossFn, RankRuntime, StepResult, running_statistics
+from pipeline.planning.microbatch import batch_size
+from pipeline.planning.planner import Coordination, Planned
 from scheduler import Event, MessageKey, Op, Timeline, forward_only, incoming, lower
 
 
@@ -80,7 +80,7 @@ def _shape_key(mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]]) -> i
 
 
 class DistributedExecutor(Executor):
-    """Runs this process's pipeline rank (see pipeline.distributed for the rank layout).
+    """Runs this process's pipeline rank (see pipeline.execution.distributed for the rank layout).
 
     At `load` it keeps the stages placed on its pipeline rank (the others' tensors are freed)
     and copies their weights from replica 0 to the other replicas. `run_step` returns the

@@ -48,14 +48,14 @@ pass None). Global rank 0 makes the plan (profiling, if asked) and the others fo
 with DDP, replicas start from replica 0's weights.
 """
 
-from pipeline.distributed.agreement import SettingsMismatch
-from pipeline.distributed.context import DistContext, agree
-from pipeline.distributed.executor import DistributedExecutor
-from pipeline.distributed.failure import RankFailure
-from pipeline.distributed.gradsync import GradSync
-from pipeline.distributed.p2p import P2PTransport
-from pipeline.distributed.topology import Layout, make_layout
-from pipeline.timeouts import DEFAULT_TIMEOUT, ENV_TIMEOUT, resolve_timeout
+from pipeline.execution.distributed.agreement import SettingsMismatch
+from pipeline.execution.distributed.context import DistContext, agree
+from pipeline.execution.distributed.executor import DistributedExecutor
+from pipeline.execution.distributed.failure import RankFailure
+from pipeline.execution.distributed.gradsync import GradSync
+from pipeline.execution.distributed.p2p import P2PTransport
+from pipeline.execution.distributed.topology import Layout, make_layout
+from pipeline.execution.timeouts import DEFAULT_TIMEOUT, ENV_TIMEOUT, resolve_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -19,10 +19,9 @@ import torch
 from torch import Tensor
 
 from partitioner import StageModule
-from pipeline import streams
-from pipeline.executor import Executor
-from pipeline.planner import Coordination, decide_alone
-from pipeline.runtime import (
+from pipeline.execution import streams
+from pipeline.execution.executor import Executor
+from pipeline.execution.runtime import (
     CancelToken,
     PipelineAborted,
     RankResult,
@@ -30,6 +29,7 @@ from pipeline.runtime import (
     StepResult,
     running_statistics,
 )
+from pipeline.planning.planner import Coordination, decide_alone
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
 _POLL = 0.02  # seconds between abort checks while a worker waits for a tensor

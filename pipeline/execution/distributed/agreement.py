@@ -1,12 +1,12 @@
 """Setup-time agreement of a distributed Pipeline's processes, over the c10d store (the setup
-side of the failure protocol in pipeline.distributed.failure).
+side of the failure protocol in pipeline.execution.distributed.failure).
 
 Before the first tensor moves, the processes meet at sync points (the settings, the first
 batch, the plan, the start). At each, every process checks in with its settings; global rank 0,
 the plan's owner, compares them with its own and gives one verdict that every process reads:
 rank 0's payload (the example microbatch, the plan), or a message naming each differing
 setting, its value on each rank and the fix (`SettingsMismatch`, raised on every process;
-what is compared: pipeline.settings), or
+what is compared: pipeline.planning.settings), or
 a failure (`RankFailure` naming the rank and what it was doing). Only store keys are used, no
 collective: a collective with a dead peer is what ends gloo in an abort or a bare "Read error".
 
@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from pipeline.distributed.failure import RankFailure, raised_text, stopped_text
-from pipeline.settings import Settings, mismatch_message
+from pipeline.execution.distributed.failure import RankFailure, raised_text, stopped_text
+from pipeline.planning.settings import Settings, mismatch_message
 
 _PREFIX = "hybridpipe/setup"
 _NAMED = 8  # silent ranks named in one message

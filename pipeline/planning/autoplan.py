@@ -1,6 +1,6 @@
 """The auto-planner: choose (pipeline ranks, data-parallel replicas, schedule, microbatches,
 virtual stages) for a profiled model by simulating every candidate through the one cost model
-(`pipeline.costs`) under a per-device memory cap, and rank them by predicted step time.
+(`pipeline.planning.costs`) under a per-device memory cap, and rank them by predicted step time.
 
 Model of one candidate (pp ranks x dp replicas = world size, global batch B):
 - each replica runs B / dp samples in m microbatches; a microbatch's F/B/W seconds and
@@ -29,7 +29,7 @@ from typing import Any
 
 import networkx as nx
 
-from pipeline.costs import StageCosts, costs_for_stages, predict_summary
+from pipeline.planning.costs import StageCosts, costs_for_stages, predict_summary
 from scheduler import SCHEDULES, Schedule, build_schedule
 from scheduler.simulate import peak_held
 

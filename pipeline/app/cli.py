@@ -274,7 +274,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class _BuiltinModel:
-    factory: str  # attribute of pipeline.models
+    factory: str  # attribute of pipeline.app.models
     input_shape: tuple[int, ...]
     integer_input: int | None  # token vocabulary when the model takes integer ids
     summary: str
@@ -387,7 +387,7 @@ def load_model(spec: str) -> nn.Module:
     from torch import nn
 
     if spec in BUILTIN_MODELS:
-        from pipeline import models
+        from pipeline.app import models
 
         return getattr(models, BUILTIN_MODELS[spec].factory)()
     if ":" not in spec:
@@ -523,7 +523,7 @@ def _add_plan(subparsers: Any) -> None:
             "devices and print them ranked by predicted step time, with bubble and peak\n"
             "memory per rank (parameters x optimizer factor + held activations); candidates\n"
             "over --memory-limit are dropped. Writes the ranked list as JSON (--json).\n"
-            "Model: see pipeline.autoplan (microbatch costs scale linearly with samples)."
+            "Model: see pipeline.planning.autoplan (microbatch costs scale linearly with samples)."
         ),
         epilog=(
             "examples:\n"
@@ -572,7 +572,7 @@ def _add_plan(subparsers: Any) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from partitioner import capture, profile
-    from pipeline.autoplan import search
+    from pipeline.planning.autoplan import search
 
     model, inputs = _model_and_inputs(args)
     profiled_batch = int(inputs[0].shape[0])
@@ -602,7 +602,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_demo(subparsers: Any) -> None:
-    from pipeline.demo import DemoConfig
+    from pipeline.app.demo import DemoConfig
 
     defaults = DemoConfig()
     parser = subparsers.add_parser(
@@ -646,7 +646,7 @@ def _add_demo(subparsers: Any) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import DemoConfig, run_main
+    from pipeline.app.demo import DemoConfig, run_main
 
     config = DemoConfig(
         steps=args.steps,

@@ -56,7 +56,7 @@ from torch.autograd.graph import GradientEdge, Node
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.microbatch import check_output
+from pipeline.planning.microbatch import check_output
 from scheduler import (
     Action,
     Compute,

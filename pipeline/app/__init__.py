@@ -1,0 +1,1 @@
+"""The application: the hybridpipe command line and the demo with its model and data."""
