@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pipeline import Pipeline, streams
+from pipeline import Pipeline
 from pipeline.app.models import SkipNet
+from pipeline.execution import streams
 
 pytestmark = [
     pytest.mark.cuda,

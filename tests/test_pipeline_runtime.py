@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline import Pipeline, streams
+from pipeline import Pipeline
+from pipeline.execution import streams
 from pipeline.execution.local import LocalTransport, _Mailbox
 from pipeline.execution.runtime import PipelineAborted, RankRuntime
 from pipeline.planning.microbatch import (

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline import Pipeline, planner
+from pipeline import Pipeline
 from pipeline.app.models import GPT, SkipNet
+from pipeline.planning import planner
 from scheduler import SCHEDULES, Action, Op
 from tests.capture_memo import memo_capture
 
