@@ -165,7 +165,7 @@ def _writer(mode: str, out: Path) -> None:
 
     from torch.distributed.checkpoint import filesystem
 
-    import pipeline.checkpoint as ckpt
+    import pipeline.checkpoint.files as ckpt
 
     torch.set_num_threads(1)
     pipe = make_pipe(make_model())
@@ -374,7 +374,7 @@ def test_full_disk_is_named_and_keeps_the_previous_checkpoint(
 
     from torch.distributed.checkpoint import filesystem
 
-    import pipeline.checkpoint as ckpt
+    import pipeline.checkpoint.saveload as ckpt
 
     pipe = make_pipe(make_model())
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)

@@ -1,0 +1,142 @@
+"""Checkpoint directories on disk: atomic file writes (temp file, fsync, os.replace,
+directory fsync), the numbered version directories and the ``current`` pointer that names the
+live one, and a full disk reported as such."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+
+_POINTER = "current"  # names the live version directory
+_META = "hybridpipe.pt"
+_VERSION = re.compile(r"v-(\d{6,})")
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when torch.distributed is not initialised: here
+    that is meant (one process, or a load where each process reads its own keys)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save `obj` to `path` so that a crash at any moment leaves either the old file or
+    the new one: a temp file in the same directory, fsync, os.replace, directory fsync."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _checkpoint_root(path: str | os.PathLike[str]) -> Path:
+    root = Path(path).absolute()
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"checkpoint path {os.fspath(path)!r} is a file; a checkpoint is a directory "
+            "(sharded, one set of files per process): give a directory path"
+        )
+    return root
+
+
+def _live_version(root: Path) -> str | None:
+    pointer = root / _POINTER
+    if not pointer.is_file():
+        return None
+    return pointer.read_text().strip() or None
+
+
+def _prepare_version(root: Path) -> str:
+    """(Global rank 0) remove what a killed writer left, create the next version directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    live = _live_version(root)
+    numbers = [0]
+    for entry in root.iterdir():
+        match = _VERSION.fullmatch(entry.name)
+        if match:
+            numbers.append(int(match.group(1)))
+            if entry.name != live:
+                shutil.rmtree(entry)
+        elif entry.name.startswith(f".{_POINTER}.") and entry.name.endswith(".tmp"):
+            entry.unlink()
+    name = f"v-{max(numbers) + 1:06d}"
+    (root / name).mkdir()
+    return name
+
+
+def _commit(root: Path, name: str) -> None:
+    """(Global rank 0) make `name` the live version, then delete the older ones."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{_POINTER}.", suffix=".tmp", dir=root)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / _POINTER)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(root)
+    for entry in root.iterdir():
+        if _VERSION.fullmatch(entry.name) and entry.name != name:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _nbytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _no_space(err: BaseException, seen: set[int] | None = None) -> bool:
+    """Whether `err` (or what caused it, or a DCP rank failure inside it) is a full disk."""
+    seen = set() if seen is None else seen
+    if id(err) in seen:
+        return False
+    seen.add(id(err))
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(err) or "unexpected pos" in str(err):
+        return True  # torch's writers report a short write as "enforce fail ... unexpected pos"
+    inner = [e for e in (err.__cause__, err.__context__) if e is not None]
+    if isinstance(err, CheckpointException):
+        inner += [exc for exc, _ in err.failures.values()]
+    return any(_no_space(e, seen) for e in inner)
+
+
+def _disk_full(root: Path, need: int) -> OSError:
+    free = shutil.disk_usage(root).free
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the device of checkpoint {os.fspath(root)!r}: this process writes "
+        f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. Free space or save "
+        "elsewhere; the previous checkpoint is untouched",
+    )

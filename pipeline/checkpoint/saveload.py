@@ -1,0 +1,261 @@
+"""The checkpoint entry points: `save_checkpoint` (every process writes its own stages' model
+and optimizer tensors with DCP, global rank 0 the metadata, then the new version goes live)
+and `load_checkpoint` (everything checked and read before anything changes), with
+`read_checkpoint` for the live version's metadata."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from pipeline.checkpoint.extra import check_extra
+from pipeline.checkpoint.files import (
+    _META,
+    _POINTER,
+    _checkpoint_root,
+    _commit,
+    _disk_full,
+    _live_version,
+    _nbytes,
+    _no_space,
+    _prepare_version,
+    _single_process_quiet,
+    atomic_save,
+)
+from pipeline.checkpoint.optim import (
+    FLAT,
+    NESTED,
+    _held_names,
+    _nested,
+    _of_params,
+    _optimizer_plan,
+    _param_names,
+    _qualname,
+)
+from pipeline.checkpoint.state import (
+    TensorSpec,
+    _gather_to_rank0,
+    _short,
+    load_state_dict,
+    local_state,
+)
+from pipeline.execution.distributed import DistContext, agree
+
+FORMAT = "hybridpipe-checkpoint"
+VERSION = 2
+
+
+def _is_rank0(ctx: DistContext | None) -> bool:
+    return ctx is None or ctx.layout.rank == 0
+
+
+def _agree(value: Any, ctx: DistContext | None) -> Any:
+    return value if ctx is None else agree(value)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    stage_modules: Mapping[int, nn.Module],
+    spec: Mapping[str, TensorSpec],
+    ctx: DistContext | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | None = None,
+    extra: Any = None,
+) -> None:
+    """Write this process's model (+ optimizer) state into the checkpoint directory `path`
+    (see the module docstring), atomically. Every process must call it; it returns once the
+    new version is live (all ranks wait). `model` names the optimizer's parameters. `extra`
+    must load back with ``torch.load(weights_only=True)`` (`check_extra`, at once). A full
+    disk is an OSError(ENOSPC) saying so; the previous checkpoint stays live."""
+    check_extra(extra)
+    root = _checkpoint_root(path)
+    tensors: dict[str, Tensor] = {
+        f"model.{k}": v.detach() for k, v in local_state(stage_modules).items() if k in spec
+    }
+    values: dict[str, Any] = {}
+    optimizer_info = None
+    if optimizer is not None:
+        if model is None:
+            raise TypeError("saving optimizer state needs model= (to name its parameters)")
+        names = _param_names(model, optimizer)
+        held = _held_names(stage_modules, names)
+        flat = get_optimizer_state_dict(model, optimizer, options=FLAT)
+        # Only the held stages' parameters: an optimizer built before the plan was made also
+        # holds the (emptied) parameters of other processes' stages, with stale state.
+        for key, value in _of_params(flat, held).items():
+            if isinstance(value, Tensor):
+                tensors[f"optim.{key}"] = value.detach()
+            else:
+                values[f"optim.{key}"] = value
+        for i, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if names[id(p)] in held:
+                    values[f"optim.group.{names[id(p)]}"] = i
+        optimizer_info = {"type": _qualname(optimizer), "groups": len(optimizer.param_groups)}
+    need = _nbytes(tensors)
+    with ctx.guard("checkpoint save") if ctx is not None else nullcontext():
+        name = _agree(_prepare_version(root) if _is_rank0(ctx) else None, ctx)
+        parts = _gather_to_rank0(values, ctx)
+        version = root / name
+        try:
+            if shutil.disk_usage(root).free < need:
+                raise _disk_full(root, need)
+            with _single_process_quiet():
+                dcp.save(tensors, storage_writer=FileSystemWriter(version), no_dist=ctx is None)
+            if parts is not None:  # global rank 0
+                merged = {k: v for part in parts for k, v in part.items()}
+                layout = (
+                    {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
+                    if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
+                )
+                meta = {
+                    "format": FORMAT, "version": VERSION, "spec": _spec_to_json(spec),
+                    "layout": layout, "optimizer": optimizer_info, "values": merged,
+                    "extra": extra,
+                }
+                atomic_save(meta, version / _META)
+                _commit(root, name)
+        except BaseException as err:
+            if _is_rank0(ctx):
+                shutil.rmtree(version, ignore_errors=True)
+            if _no_space(err):
+                raise _disk_full(root, need) from err
+            raise
+        if ctx is not None:
+            done = torch.zeros(1, device=ctx.device)
+            ctx.wait_work(dist.all_reduce(done, async_op=True), None, "the end of the save")
+
+
+def _spec_to_json(spec: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
+    return {
+        k: [list(shape), str(dtype).removeprefix("torch.")] for k, (shape, dtype) in spec.items()
+    }
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """The live version directory of checkpoint `path` and its ``hybridpipe.pt``, checked."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r}")
+    live = _live_version(root) if root.is_dir() else None
+    if live is None or not (root / live / _META).is_file():
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a hybridpipe checkpoint (no {_POINTER!r} naming a "
+            f"saved version); give a directory written by save_checkpoint, or for a plain "
+            "state dict file use pipe.load_state_dict(torch.load(path))"
+        )
+    try:
+        meta = torch.load(root / live / _META, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a readable hybridpipe checkpoint ({err}); give a "
+            "directory written by save_checkpoint"
+        ) from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a hybridpipe checkpoint (no format tag {FORMAT!r})"
+        )
+    if meta.get("version") != VERSION:
+        raise ValueError(
+            f"{os.fspath(path)!r} has checkpoint version {meta.get('version')}; this hybridpipe "
+            f"reads version {VERSION}"
+        )
+    return root / live, meta
+
+
+def _check_model(source: str, meta: Mapping[str, Any], spec: Mapping[str, TensorSpec]) -> None:
+    saved_spec = {k: tuple(v[0]) for k, v in meta["spec"].items()}
+    ours = {k: s for k, (s, _) in spec.items()}
+    if saved_spec == ours:
+        return
+    missing = [k for k in ours if k not in saved_spec]
+    unexpected = [k for k in saved_spec if k not in ours]
+    shapes = [f"{k}: {saved_spec[k]} vs {ours[k]}" for k in ours
+              if k in saved_spec and saved_spec[k] != ours[k]]
+    parts = [
+        f"{what} ({len(keys)}): {text}"
+        for what, keys, text in (
+            ("keys only in this model", missing, _short(missing)),
+            ("keys only in the checkpoint", unexpected, _short(unexpected)),
+            ("shapes (checkpoint vs model)", shapes, "; ".join(shapes[:20])),
+        )
+        if keys
+    ]
+    raise ValueError(
+        f"{source} was saved from a different model: " + " | ".join(parts)
+        + ". Load it into the model it was saved from"
+    )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    stage_modules: Mapping[int, nn.Module],
+    spec: Mapping[str, TensorSpec],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | None = None,
+) -> Any:
+    """Load a checkpoint written by `save_checkpoint` at any layout into the stages held here
+    (and `optimizer`, whose parameters `model` names); returns the saved `extra`. Everything is
+    checked, and this process's tensors read, before the stages or the optimizer change: a
+    checkpoint of another model or optimizer is a ValueError and changes nothing. Under
+    torch.distributed every process must call it."""
+    version, meta = read_checkpoint(path)
+    source = f"checkpoint {os.fspath(path)!r}"
+    _check_model(source, meta, spec)
+    stored = FileSystemReader(version).read_metadata().state_dict_metadata
+    own = [k for k in local_state(stage_modules) if k in spec]
+    absent = [k for k in own if f"model.{k}" not in stored]
+    if absent:
+        raise ValueError(
+            f"{source} is incomplete: no tensors for {len(absent)} keys ({_short(absent)}); "
+            "it was not written by save_checkpoint, or was damaged"
+        )
+    keys = [f"model.{k}" for k in own]
+    flat: dict[str, Any] = {}
+    names: dict[int, str] = {}
+    if optimizer is not None:
+        if model is None:
+            raise TypeError("loading optimizer state needs model= (to name its parameters)")
+        names = _param_names(model, optimizer)
+        opt_keys, flat = _optimizer_plan(
+            source, meta, stored, optimizer, names, _held_names(stage_modules, names)
+        )
+        keys += opt_keys
+    buffers: dict[str, Any] = {}
+    for key in keys:
+        item = stored[key]
+        if not isinstance(item, TensorStorageMetadata):
+            raise ValueError(f"{source} holds {key!r} as bytes, not a tensor; it was damaged")
+        buffers[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    if buffers:
+        # Reading needs no coordination: each process reads its own keys (no_dist).
+        with _single_process_quiet():
+            dcp.load(buffers, storage_reader=FileSystemReader(version), no_dist=True)
+    # Everything is checked and read: change the optimizer, then the stages.
+    if optimizer is not None and model is not None:
+        flat.update({k[len("optim."):]: v for k, v in buffers.items() if k.startswith("optim.")})
+        set_optimizer_state_dict(
+            model, optimizer,
+            _nested(flat, optimizer, names, _held_names(stage_modules, names)),
+            options=NESTED,
+        )
+    state = {k[len("model."):]: v for k, v in buffers.items() if k.startswith("model.")}
+    load_state_dict(stage_modules, state, spec, strict=False, source=source, model=model)
+    return meta["extra"]
