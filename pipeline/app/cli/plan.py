@@ -1,0 +1,122 @@
+"""`hybridpipe plan`: rank (pipeline ranks, replicas, schedule, microbatches, chunks) for a
+world size under a memory cap, from a profiled model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.app.cli.args import (
+    DTYPES,
+    Formatter,
+    positive_int,
+    progress,
+    schedule_names,
+    sizes,
+)
+from pipeline.app.cli.model_arg import model_and_inputs
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _bytes(text: str) -> float:
+    """A byte count: a number with an optional unit (e.g. 80GiB, 512MiB, 4e9)."""
+    number = text.rstrip("BbKkMmGgTtIi")
+    unit = text[len(number):].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected bytes such as 80GiB, 512MiB or 4e9, got {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
+    return value
+
+
+def add(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="rank (pp, dp, schedule, microbatches, chunks) for N devices under a memory cap",
+        description=(
+            "Profile MODEL (as `profile` does), then simulate every (pipeline ranks, data-\n"
+            "parallel replicas, schedule, microbatches, chunks per rank) for --world-size\n"
+            "devices and print them ranked by predicted step time, with bubble and peak\n"
+            "memory per rank (parameters x optimizer factor + held activations); candidates\n"
+            "over --memory-limit are dropped. Writes the ranked list as JSON (--json).\n"
+            "Model: see pipeline.planning.autoplan (microbatch costs scale linearly with samples)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  hybridpipe plan gpt --world-size 8 --memory-limit 64MiB\n"
+            "  hybridpipe plan mlp --world-size 1024 --memory-limit 2MiB --batch-size 8192"
+        ),
+        formatter_class=Formatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="what to plan for (see `profile`)")
+    parser.add_argument("--world-size", type=positive_int, required=True, help="devices")
+    parser.add_argument(
+        "--memory-limit", type=_bytes, default=None, metavar="BYTES",
+        help="bytes per device, e.g. 80GiB (default: no cap)",
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=None,
+        help="samples per training step over all replicas (default: the example input's "
+        "batch x world size)",
+    )
+    parser.add_argument(
+        "--input-shape", type=sizes, action="append", default=None, metavar="SIZES",
+        help="example input shape (its dim 0 is the profiled microbatch)",
+    )
+    parser.add_argument("--input-dtype", choices=DTYPES, default=None, help="example dtype")
+    parser.add_argument("--vocab", type=positive_int, default=256, help="integer input range")
+    parser.add_argument(
+        "--schedules", type=schedule_names, default=None, metavar="NAMES",
+        help="schedules to try: comma-separated names (default: all)",
+    )
+    parser.add_argument(
+        "--dp-bandwidth", type=float, default=1e10,
+        help="bytes/s of the data-parallel gradient all-reduce (ring)",
+    )
+    parser.add_argument(
+        "--latency", type=float, default=0.0, help="seconds per cross-rank transfer"
+    )
+    parser.add_argument("--top", type=positive_int, default=20, help="rows to print and keep")
+    parser.add_argument("--device", default="cpu", help="device to profile on")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and example input")
+    parser.add_argument(
+        "--json", type=Path, default=Path("autoplan.json"), metavar="PATH",
+        help="where to write the ranked candidates",
+    )
+    parser.set_defaults(run=_run_plan, parser=parser)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from partitioner import capture, profile
+    from pipeline.planning.autoplan import search
+
+    model, inputs = model_and_inputs(args)
+    profiled_batch = int(inputs[0].shape[0])
+    progress(f"capturing and profiling {args.model} on microbatches of {profiled_batch} ...")
+    graph = capture(model, inputs)
+    profile(graph, model, inputs, device=args.device)
+    result = search(
+        graph,
+        world_size=args.world_size,
+        batch_size=args.batch_size or profiled_batch * args.world_size,
+        profiled_batch=profiled_batch,
+        memory_limit=args.memory_limit,
+        schedules=args.schedules,
+        latency=args.latency,
+        dp_bandwidth=args.dp_bandwidth,
+        keep=args.top,
+    )
+    print(result.table(args.top))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    print(f"wrote {args.json}")
+    result.best  # noqa: B018 - raises the explanatory error when nothing fits
+    return 0
