@@ -28,7 +28,7 @@ from pipeline import checkpoint
 from pipeline.execution.distributed import DistContext, DistributedExecutor
 from pipeline.execution.executor import Executor
 from pipeline.execution.local import LocalExecutor, resolve_devices
-from pipeline.execution.runtime import LossFn
+from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
 from pipeline.planning.autoplan import AutoPlan
 from pipeline.planning.calibration import (
@@ -108,7 +108,7 @@ class Pipeline:
       (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations. With a
       split-backward (zero-bubble) schedule, every stage but the first recomputes twice, once
       for B and once for W (torch's checkpoint recomputes once per backward call), and W
-      re-walks the input-grad path (see pipeline.execution.runtime).
+      re-walks the input-grad path (see pipeline.execution.split_backward).
     - ``timeout``: seconds any wait for a tensor may take before the step fails (default
       $HYBRIDPIPE_TIMEOUT, else 120).
     - ``leaf_modules``: module classes kept whole when capturing: one unit of the exported

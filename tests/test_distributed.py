@@ -646,7 +646,7 @@ def test_buffer_sync_sends_running_statistics_and_buffers_written_in_place(
     from types import SimpleNamespace
 
     from pipeline.execution.distributed import gradsync
-    from pipeline.execution.runtime import running_statistics
+    from pipeline.execution.grads import running_statistics
 
     class Counting(nn.Module):
         def __init__(self) -> None:

@@ -15,8 +15,9 @@ from torch.nn import functional as F
 
 from pipeline import Pipeline
 from pipeline.execution import streams
+from pipeline.execution.cancel import PipelineAborted
 from pipeline.execution.local import LocalTransport, _Mailbox
-from pipeline.execution.runtime import PipelineAborted, RankRuntime
+from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.microbatch import (
     batch_size,
     merge_microbatches,
@@ -394,7 +395,7 @@ def test_split_backward_weight_reached_two_ways(
 
 
 def test_accumulate_grads_sums_a_parameter_listed_twice() -> None:
-    from pipeline.execution.runtime import accumulate_grads
+    from pipeline.execution.grads import accumulate_grads
 
     p = torch.zeros(3)
     accumulate_grads([p, p], [torch.ones(3), 2 * torch.ones(3)])

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from partitioner import StageModule
-from pipeline.execution.runtime import LossFn, StepResult, apply_input_grads
+from pipeline.execution.grads import apply_input_grads
+from pipeline.execution.program import LossFn, StepResult
 from pipeline.planning.microbatch import (
     batch_size,
     merge_microbatches,

@@ -20,15 +20,11 @@ from torch import Tensor
 
 from partitioner import StageModule
 from pipeline.execution import streams
+from pipeline.execution.cancel import CancelToken, PipelineAborted
 from pipeline.execution.executor import Executor
-from pipeline.execution.runtime import (
-    CancelToken,
-    PipelineAborted,
-    RankResult,
-    RankRuntime,
-    StepResult,
-    running_statistics,
-)
+from pipeline.execution.grads import running_statistics
+from pipeline.execution.program import RankResult, StepResult
+from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.planner import Coordination, decide_alone
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 

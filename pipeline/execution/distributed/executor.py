@@ -50,7 +50,9 @@ from pipeline.execution.distributed.p2p import (
 )
 from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor
-from pipeline.execution.runtime import LossFn, RankRuntime, StepResult, running_statistics
+from pipeline.execution.grads import running_statistics
+from pipeline.execution.program import LossFn, StepResult
+from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.microbatch import batch_size
 from pipeline.planning.planner import Coordination, Planned
 from scheduler import Event, MessageKey, Op, Timeline, forward_only, incoming, lower

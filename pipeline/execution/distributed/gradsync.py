@@ -132,7 +132,7 @@ def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
 class BufferSync:
     """Keeps the replicas' buffers equal, as DDP's broadcast_buffers does: `finish` copies from
     replica 0 the buffers the step or forward wrote, which are the `running` ones (see
-    `pipeline.execution.runtime.running_statistics`: BatchNorm updates them inside its kernel) and
+    `pipeline.execution.grads.running_statistics`: BatchNorm updates them inside its kernel) and
     every other buffer whose version counter moved since `begin` (an in-place write:
     `copy_`, `add_`); constant buffers cost nothing. Every replica runs the same graph in
     the same mode, so the buffers written are the same on each. Without it each replica's

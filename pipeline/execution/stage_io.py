@@ -1,0 +1,125 @@
+"""Checks and conversions at a stage's boundaries, for `RankRuntime`: a step's arguments, stage
+inputs made leaves of the step's graph, stage outputs, the weighted loss, and the roots and
+incoming gradients of a stage's backward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from pipeline.execution.grads import is_float
+from pipeline.execution.program import LossFn
+from pipeline.planning.microbatch import check_output
+from scheduler import Instruction
+
+_NEEDS_LOSS_FN = "a training step needs loss_fn; pass loss_fn=... to Pipeline"
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def check_step_args(
+    rank: int,
+    microbatches: int,
+    *,
+    first: bool,
+    last: bool,
+    loss_fn: LossFn | None,
+    inputs: Sequence[tuple[Tensor, ...]] | None,
+    targets: Sequence[Any] | None,
+    loss_weights: Sequence[float],
+) -> None:
+    """A training step's arguments for a rank that holds stage 0 (`first`) and/or the last
+    stage (`last`): one input, target and loss weight per microbatch where needed."""
+    m = microbatches
+    if first and (inputs is None or len(inputs) != m):
+        got = "none" if inputs is None else len(inputs)
+        raise ValueError(
+            f"rank {rank} runs stage 0 and needs {m} microbatch inputs, got {got}"
+        )
+    if last:
+        if loss_fn is None:
+            raise ValueError(_NEEDS_LOSS_FN)
+        if targets is None or len(targets) != m or len(loss_weights) != m:
+            raise ValueError(
+                f"rank {rank} runs the last stage and needs {m} targets and loss "
+                f"weights, got {None if targets is None else len(targets)} and "
+                f"{len(loss_weights)}"
+            )
+
+
+def as_leaves(inputs: Sequence[Tensor], *, every_float: bool) -> tuple[Tensor, ...]:
+    """Stage inputs as leaves of this step's graph: every floating-point one (a message from
+    another stage: their .grad is what B sends upstream) or, for the caller's inputs, those
+    that require grad (they get their grads once the step succeeded)."""
+    return tuple(
+        t.detach().requires_grad_(True) if is_float(t) and (every_float or t.requires_grad)
+        else t
+        for t in inputs
+    )
+
+
+def check_stage_outputs(outputs: Any, stage: int, *, last: bool) -> tuple[Any, ...]:
+    """A stage module's return value: a tuple; the last stage's first item a model output,
+    every other stage's items tensors."""
+    if not isinstance(outputs, tuple):
+        raise TypeError(
+            f"stage {stage} returned a {type(outputs).__name__}; stage modules must return "
+            "a tuple (the last stage a 1-tuple holding the model output)"
+        )
+    if last:
+        check_output(outputs[0], stage)
+        return outputs
+    for i, t in enumerate(outputs):
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"stage {stage} output {i} is a {type(t).__name__}; values crossing stage "
+                "boundaries must be tensors (cut the model elsewhere)"
+            )
+    return outputs
+
+
+def weighted_loss(
+    loss_fn: LossFn | None, output: Any, target: Any, weight: float, mb: int
+) -> Tensor:
+    """``loss_fn(output, target) * weight`` for microbatch `mb`, checked to be a scalar."""
+    if loss_fn is None:
+        raise ValueError(_NEEDS_LOSS_FN)
+    raw = loss_fn(output, target)
+    if not isinstance(raw, Tensor) or raw.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(raw.shape)}" if isinstance(raw, Tensor)
+            else f"{_short_repr(raw)} (a {type(raw).__name__})"
+        )
+        raise TypeError(
+            f"loss_fn {_name_of(loss_fn)} returned {got} for microbatch {mb}; it must "
+            "return a scalar tensor: a mean- or sum-reduced loss such as "
+            "nn.CrossEntropyLoss()(output, target) (check the function ends with "
+            "`return loss`)"
+        )
+    return raw * weight
+
+
+def backward_roots(
+    instruction: Instruction, outputs: tuple[Tensor, ...], grads: tuple[Tensor, ...] | None
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The tensors a B differentiates and their incoming grads: the loss (grad None) when
+    `grads` is None (the last stage), else the floating-point outputs that require grad."""
+    if grads is None:
+        return [outputs[0]], [None]
+    floats = [t for t in outputs if is_float(t)]
+    if len(grads) != len(floats):
+        raise RuntimeError(
+            f"{instruction} got {len(grads)} output grads for {len(floats)} "
+            "floating-point outputs"
+        )
+    pairs = [(t, g) for t, g in zip(floats, grads, strict=True) if t.requires_grad]
+    return [t for t, _ in pairs], [g for _, g in pairs]
