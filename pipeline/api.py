@@ -2,82 +2,35 @@
 `Planner` (capture -> profile -> partition -> split -> costs; pipeline.planning.planner) and
 running to an `Executor` (pipeline.execution.executor): local threads in one process, or one
 process per pipeline rank under torchrun (pipeline.execution.distributed). Every method below is
-one code path; the local and distributed difference lives in the executor."""
+one code path; the local and distributed difference lives in the executor. The facade's own
+collaborators (settings checks, setup from the first batch, running, state, measurement) are in
+pipeline.facade."""
 
 from __future__ import annotations
 
-import collections
-import functools
-import inspect
-import logging
 import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import networkx as nx
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
-from partitioner import Plan, StageModule, split_model
-from partitioner.capture import call_structure, check_inputs, check_mode
-from partitioner.exported import flat_inputs
-from pipeline import checkpoint
-from pipeline.execution.distributed import DistContext, DistributedExecutor
-from pipeline.execution.executor import Executor
-from pipeline.execution.local import LocalExecutor, resolve_devices
+from partitioner import Plan, StageModule
+from pipeline.execution.distributed import DistContext
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
+from pipeline.facade.measurement import Measurement
+from pipeline.facade.running import CallGuard, one_at_a_time, run_step
+from pipeline.facade.settings import check_settings, executor_for
+from pipeline.facade.setup import Setup
+from pipeline.facade.state import ModelState
 from pipeline.planning.autoplan import AutoPlan
-from pipeline.planning.calibration import (
-    Calibration,
-    Rebalance,
-    calibrate,
-    calibrated_costs,
-    measured_node_costs,
-    predict_calibrated,
-    propose_rebalance,
-)
-from pipeline.planning.costs import StageCosts, costs_for_stages, predict
-from pipeline.planning.microbatch import Batch, batch_size, split_microbatches, tensor_leaves
-from pipeline.planning.planner import Planned, Planner
-from pipeline.planning.settings import pipeline_settings
-from scheduler import Schedule, Timeline, build_schedule
-
-log = logging.getLogger("hybridpipe")
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _one_at_a_time(method: _F) -> _F:
-    """A Pipeline runs one step or forward at a time: a second call from another thread while
-    one runs is a RuntimeError naming both (it would share the workers and the .grad)."""
-
-    @functools.wraps(method)
-    def guarded(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
-        me = f"Pipeline.{method.__name__} in thread {threading.current_thread().name!r}"
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                f"{me} was called while {self._busy_with} is running; a Pipeline runs one "
-                "call at a time: call it from one thread, or give each thread its own Pipeline"
-            )
-        self._busy_with = me
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy.release()
-
-    return guarded  # type: ignore[return-value]
-
-
-def _check_int(value: object, what: str, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}; {fix}")
-    return value
+from pipeline.planning.calibration import Calibration, Rebalance
+from pipeline.planning.costs import StageCosts
+from pipeline.planning.microbatch import Batch
+from pipeline.planning.planner import Planned
+from scheduler import Schedule, Timeline
 
 
 class Pipeline:
@@ -154,145 +107,58 @@ class Pipeline:
     its own RNG stream use).
     """
 
-
     def __init__(
-        self,
-        model: nn.Module,
-        stages: int = 4,
-        *,
+        self, model: nn.Module, stages: int = 4, *,
         schedule: str | os.PathLike[str] | Schedule = "1f1b",
-        microbatches: int | str | None = None,
-        loss_fn: LossFn | None = None,
+        microbatches: int | str | None = None, loss_fn: LossFn | None = None,
         balance: str | Sequence[int] = "profile",
         devices: Sequence[str | torch.device] | None = None,
-        example_input: Batch | None = None,
-        virtual_stages: int | str | None = None,
-        memory_limit: float | None = None,
-        checkpoint_activations: bool = False,
-        data_parallel: int | None = None,
-        timeout: float | None = None,
-        leaf_modules: tuple[type, ...] | None = None,
-        rebalance: bool = False,
+        example_input: Batch | None = None, virtual_stages: int | str | None = None,
+        memory_limit: float | None = None, checkpoint_activations: bool = False,
+        data_parallel: int | None = None, timeout: float | None = None,
+        leaf_modules: tuple[type, ...] | None = None, rebalance: bool = False,
         capture_method: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = model
-        self._busy, self._busy_with = threading.Lock(), ""  # see _one_at_a_time
-        self.stages = _check_int(stages, "stages", 1, "give the number of pipeline ranks")
-        if microbatches not in (None, "auto"):
-            _check_int(microbatches, "microbatches", 1, "split each batch into at least 1")
-        if virtual_stages not in (None, "auto"):
-            _check_int(virtual_stages, "virtual_stages", 1, "give model chunks per rank")
-        if memory_limit is not None and (
-            isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
-            or memory_limit <= 0
-        ):
-            raise ValueError(f"memory_limit must be a number of bytes > 0, got {memory_limit!r}")
-        if data_parallel not in (None, 1) and not dist.is_initialized():
-            raise ValueError(
-                f"data_parallel={data_parallel} needs the distributed executor: launch with "
-                "torchrun (torch.distributed initialised), or drop data_parallel"
-            )
+        self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
+        self.stages = check_settings(
+            stages, microbatches, virtual_stages, memory_limit, data_parallel
+        )
         self.loss_fn = loss_fn
         self.checkpoint_activations = checkpoint_activations
         self.timeout = resolve_timeout(timeout)
-        self._executor = _executor_for(self.stages, devices, data_parallel, self.timeout)
+        self._executor = executor_for(self.stages, devices, data_parallel, self.timeout)
         self.devices = self._executor.devices
-        with self._executor.setting_up():
-            self._planner = Planner(
-                model, self.stages, schedule=schedule, microbatches=microbatches,
-                virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
-                memory_limit=memory_limit, capture_method=capture_method,
-            )
-        # Every process must build the same Pipeline (checked under torch.distributed).
-        ctx = self._executor.context
-        self._executor.coordination.agree("the settings check", settings=pipeline_settings(
-            stages=self.stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
-            schedule=schedule, built=self._planner.schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, loss_fn=loss_fn, model=model,
-        ))
-        self._spec = checkpoint.model_spec(model)
-        self._planned: Planned | None = None
-        self._checked: set[tuple[Any, ...]] = set()  # batch shapes that passed _check_inputs
-        self._trace: Timeline | None = None
-        # Measured traces for calibration: the last few steps after the first (warm-up) one.
-        self._measured: collections.deque[Timeline] = collections.deque(maxlen=4)
-        self._steps = 0
-        self._auto_rebalance = rebalance
-        self.rebalanced: Rebalance | None = None
+        self._setup = Setup.plan_for(
+            model, self._executor, self._load, self.stages, schedule=schedule,
+            microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
+            leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
+            loss_fn=loss_fn,
+        )
+        self._state = ModelState(model, self._executor)
+        self._measure = Measurement(self._setup, self.stages, rebalance)
         if example_input is not None:
-            self._setup(self._as_args(example_input))
+            self._setup.setup(self._setup.as_args(example_input))
+
+    def _load(self, planned: Planned) -> None:
+        """Give a plan to the executor with this Pipeline's (current) loss and settings."""
+        self._executor.load(
+            planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
+        )
 
     @property
     def microbatches(self) -> int | None:
         """Microbatches per batch (None until the first batch when not given)."""
-        return self._planner.microbatches
+        return self._setup.planner.microbatches
 
     @property
     def balance(self) -> str | Sequence[int]:
-        return self._planner.balance
+        return self._setup.planner.balance
 
-    # -- setup ------------------------------------------------------------------------------------
 
-    def _as_args(self, x: Batch) -> tuple[Any, ...]:
-        """The flat input tensors stage 0 takes from a tensor or tuple/list batch (positional
-        arguments) or a dict batch (keyword arguments), in the captured order."""
-        try:
-            tensor_leaves(x, "inputs")
-        except TypeError as err:
-            raise TypeError(
-                f"{err}; inputs must be a tensor or a tuple/list/dict of tensors (split along "
-                "dim 0); pass a constant argument (a flag such as output_hidden_states=True) "
-                "through the model instead: set it in its config, or wrap the model in a module "
-                "whose forward passes it"
-            ) from None
-        args, kwargs = call_structure(x)
-        if self._planned is not None:
-            signature = inspect.signature(self.module.forward)
-            return flat_inputs(self._planned.graph.graph["in_spec"], args, kwargs, signature)
-        leaves, self._planner.call_spec = tree_flatten((args, kwargs))
-        return tuple(leaves)
-
-    def _setup(self, args: tuple[Any, ...] | None) -> Planned:
-        """Make the plan from one batch of inputs and give it to the executor."""
-        with self._executor.setting_up():
-            planned = self._planner.make(args, self._executor.coordination)
-            self._executor.load(
-                planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
-            )
-        self._planned = planned
-        return planned
-
-    def _args(self, x: Batch | None) -> tuple[Any, ...] | None:
-        """`x` as positional arguments, planning first if this is the first batch."""
-        args = None if x is None else self._as_args(x)
-        if self._planned is None:
-            self._setup(args)
-        elif args is not None:
-            self._check_inputs(self._planned, args)
-        return args
-
-    def _check_inputs(self, planned: Planned, args: tuple[Any, ...]) -> None:
-        """Fail before any tensor moves when a batch cannot run on the captured graph (a
-        static dim changed, or the train/eval mode an export baked in). A batch of shapes
-        already checked is not checked again (the check costs ~0.2 ms per microbatch)."""
-        check_mode(planned.graph)
-        shapes = (id(planned), tuple(
-            (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in args
-        ))
-        if shapes in self._checked:
-            return
-        m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
-        for mb in split_microbatches(args, m, "inputs"):
-            check_inputs(planned.graph, mb)
-        if len(self._checked) >= 64:
-            self._checked.clear()
-        self._checked.add(shapes)
-
-    # -- running ----------------------------------------------------------------------------------
-
-    @_one_at_a_time
+    @one_at_a_time
     def step(self, x: Batch | None, y: Batch | None) -> Tensor:
         """Forward and backward over all microbatches of batch `x` with targets `y`.
 
@@ -306,92 +172,65 @@ class Pipeline:
                 "Pipeline.step needs a loss: pass loss_fn=... (e.g. nn.CrossEntropyLoss()) when "
                 "building the Pipeline, or call pipe(x) for forward only"
             )
-        args = self._args(x)
-        params = [p for p in self.parameters() if p.requires_grad]
-        before = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            result = self._executor.run_step(args, y)
-        except BaseException:
-            for p, g in zip(params, before, strict=True):
-                p.grad = g
-            raise
-        for p, g in zip(params, before, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else g.add_(p.grad)
-        self._trace = result.trace
-        self._record(result.trace)
+        args = self._setup.args(x)
+        result = run_step(self._executor, self.parameters(), args, y)
+        self._measure.record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")
         return result.loss
 
-    @_one_at_a_time
+    @one_at_a_time
     def forward(self, x: Batch | None) -> Any:
         """Forward only, microbatched like `step` (fewer microbatches if the batch is smaller);
         equals ``model(x)`` (None on processes that do not hold the last stage). Under
         ``torch.no_grad()`` no graph is kept; otherwise the output stays connected to the
         parameters (a backward through it runs unpipelined)."""
-        return self._executor.forward(self._args(x))
+        return self._executor.forward(self._setup.args(x))
 
     __call__ = forward
 
-    # -- inspection -------------------------------------------------------------------------------
 
     @property
     def schedule(self) -> Schedule:
         """The Schedule being run (built from the first batch if microbatches was not given)."""
-        if self._planner.schedule is None:
-            raise RuntimeError(
-                "the schedule is built from the first batch because microbatches was not given; "
-                "pass microbatches=... or example_input=..., or run step/forward first"
-            )
-        return self._planner.schedule
-
-    @property
-    def _plan_made(self) -> Planned:
-        if self._planned is None:
-            raise RuntimeError(
-                "the plan is made from the first batch; pass example_input=... or run "
-                "step/forward first"
-            )
-        return self._planned
+        return self._setup.schedule
 
     @property
     def plan(self) -> Plan:
         """The partition (stages, nodes, predicted costs, imbalance)."""
-        return self._plan_made.plan
+        return self._setup.made.plan
 
     @property
     def stage_modules(self) -> list[StageModule]:
         """The stage modules this process holds, in stage order (they share the model's
         parameters; every stage in one process)."""
-        self._plan_made  # noqa: B018 - raises the explanatory error before the first batch
+        self._setup.made  # noqa: B018 - raises the explanatory error before the first batch
         held = self._executor.held()
         return [held[s] for s in sorted(held)]
 
     @property
     def autoplan(self) -> AutoPlan | None:
         """The auto-planner's ranked candidates when a setting was "auto" (else None)."""
-        self._plan_made  # noqa: B018 - raises the explanatory error before the first batch
-        return self._planner.autoplan
+        self._setup.made  # noqa: B018 - raises the explanatory error before the first batch
+        return self._setup.planner.autoplan
 
     @property
     def trace(self) -> Timeline | None:
         """The measured Timeline of the last successful step (None before the first step).
         Times are host perf_counter seconds; on CUDA they time kernel launches, not kernels."""
-        return self._trace
+        return self._measure.trace
 
     @property
     def graph(self) -> nx.DiGraph:
         """The captured (and, once profiled, annotated) graph the plan partitions."""
-        return self._plan_made.graph
+        return self._setup.made.graph
+
 
     def profiled_costs(self) -> StageCosts:
         """Per-stage profiled seconds for one microbatch (profiling now, on one microbatch of
         the first batch, if the plan was not balanced by profile). Under torch.distributed the
         costs are those global rank 0 measured before the model was split."""
-        return self._planner.costs(self._plan_made, self._executor.coordination)
+        return self._measure.profiled_costs()
 
     def simulate(
         self, schedule: Schedule | str | None = None, comm: float | None = None,
@@ -405,54 +244,13 @@ class Pipeline:
         predict on this model (default: the one being run); for a different stage count the
         (calibrated) graph is re-partitioned as ``balance`` says. `comm`: seconds per
         cross-rank transfer (default: the calibrated latency, else 0)."""
-        profiled = self.profiled_costs()
-        calibration = self.calibration if calibrated else None
-        if schedule is None:
-            schedule = self.schedule
-        elif isinstance(schedule, str):
-            schedule = build_schedule(schedule, self.stages, self.schedule.num_microbatches)
-        target = schedule
-        graph = self._planned.graph if self._planned is not None else None
-        if target.num_stages != profiled.num_stages and (
-            not self._executor.coordination.keeps_whole_model or graph is None
-        ):
-            raise ValueError(
-                f"schedule {target.name!r} has {target.num_stages} stages and this plan "
-                f"{profiled.num_stages}; under torch.distributed only the plan's stage count "
-                "can be simulated"
-            )
-        balance = self.balance if isinstance(self.balance, str) else "profile"
-
-        def costs_of(step: Calibration | None) -> StageCosts:
-            costs = profiled if step is None else calibrated_costs(step, profiled)
-            if graph is None or target.num_stages == costs.num_stages:
-                return costs
-            scaled = graph if step is None else measured_node_costs(graph, self.plan, costs)
-            return costs_for_stages(scaled, target.num_stages, balance)
-
-        if calibration is None:
-            return predict(target, costs_of(None), latency=comm or 0.0)
-        return predict_calibrated(target, calibration, costs_of, latency=comm)
-
-    def _record(self, trace: Timeline) -> None:
-        """Keep a complete step trace for calibration (not the first, warm-up step's), and
-        re-balance once when asked to and two traces are in."""
-        self._steps += 1
-        schedule = self.schedule
-        ops = 3 if schedule.splits_backward else 2
-        complete = len(trace.events) == ops * schedule.num_stages * schedule.num_microbatches
-        if self._steps > 1 and complete:
-            self._measured.append(trace)
-        if self._auto_rebalance and self.rebalanced is None and len(self._measured) >= 2:
-            self.rebalance()
+        return self._measure.simulate(schedule, comm, calibrated)
 
     @property
     def calibration(self) -> Calibration | None:
         """Measured costs from the recorded step traces (pipeline.planning.calibration), or None
         before the second step (the first is warm-up)."""
-        if not self._measured:
-            return None
-        return calibrate(self.schedule, list(self._measured))
+        return self._measure.calibration
 
     def rebalance(self, threshold: float = 0.05) -> Rebalance:
         """Re-partition from the measured costs when that cuts the calibrated predicted step
@@ -460,34 +258,13 @@ class Pipeline:
         parameters, so an optimizer over ``pipe.parameters()`` keeps working). Returns and
         logs the Rebalance report (also kept as ``pipe.rebalanced``). One process only: under
         torch.distributed the other processes no longer hold the weights a new cut needs."""
-        calibration = self.calibration
-        if calibration is None:
-            raise ValueError("rebalance needs measured steps: run at least two steps first")
-        if not self._executor.coordination.keeps_whole_model:
-            raise ValueError(
-                "rebalance works in one process: under torch.distributed each process holds "
-                "only its stages' weights; pass balance=[...] with the sizes it reports instead"
-            )
-        planned = self._plan_made
-        report, plan = propose_rebalance(
-            planned.graph, planned.plan, planned.schedule, calibration, self.profiled_costs(),
-            threshold,
-        )
-        if report.applied:
-            new = Planned(
-                planned.model, planned.schedule, plan, planned.graph, planned.example,
-                split_model(planned.graph, plan), None,
-            )
-            self._executor.load(
-                new, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
-            )
-            self._planned = new
-            self._measured.clear()  # the old traces describe the old stages
-        self.rebalanced = report
-        log.info("hybridpipe: %s", report)
-        return report
+        return self._measure.rebalance(threshold)
 
-    # -- module-like helpers ----------------------------------------------------------------------
+    @property
+    def rebalanced(self) -> Rebalance | None:
+        """The report of the last `rebalance` (automatic or on demand), else None."""
+        return self._measure.rebalanced
+
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The model's parameters (the stages share them); under torch.distributed, once set
@@ -528,25 +305,17 @@ class Pipeline:
         """Whether this process runs the last stage (always, in one process)."""
         return self._executor.holds_last_stage
 
-    def _held(self) -> dict[int, nn.Module]:
-        """The modules whose state this process holds: its stages, or the whole model before
-        the plan is made."""
-        held: dict[int, nn.Module] = dict(self._executor.held())
-        return held or {0: self.module}
 
     def state_dict(self) -> dict[str, Tensor] | None:
         """The whole model's state dict under its original keys (CPU copies). Under
         torch.distributed every process must call it; global rank 0 gets it, others None."""
-        return checkpoint.gather_state_dict(self._held(), self._spec, self.distributed)
+        return self._state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a whole-model state dict (e.g. ``model.state_dict()``, or ``torch.load(path,
         mmap=True)``) into the stages this process holds. Missing or unexpected keys (when
         `strict`) and shape mismatches raise ValueError listing them."""
-        checkpoint.load_state_dict(
-            self._held(), state_dict, self._spec, strict=strict, model=self.module
-        )
-        self._executor.reload()
+        self._state.load_state_dict(state_dict, strict)
 
     def save_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
@@ -557,10 +326,7 @@ class Pipeline:
         writes its own stages) and atomically (a new version, then an atomic switch; see
         pipeline.checkpoint). Under torch.distributed every process calls it; loadable at any
         (stages, data_parallel) layout. `extra` must be plain data (checked now)."""
-        checkpoint.save_checkpoint(
-            path, self._held(), self._spec, self.distributed, optimizer=optimizer,
-            model=self.module, extra=extra,
-        )
+        self._state.save_checkpoint(path, optimizer, extra)
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
@@ -569,11 +335,7 @@ class Pipeline:
         and `optimizer` (build it over ``pipe.parameters()`` first); returns the saved extra.
         All or nothing: a checkpoint of another model or optimizer (type, param groups) is a
         ValueError that changes nothing."""
-        extra = checkpoint.load_checkpoint(
-            path, self._held(), self._spec, optimizer=optimizer, model=self.module,
-        )
-        self._executor.reload()
-        return extra
+        return self._state.load_checkpoint(path, optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none)
@@ -586,27 +348,9 @@ class Pipeline:
         return self.train(False)
 
     def __repr__(self) -> str:
-        schedule = self._planner.schedule
-        name = schedule.name if schedule is not None else self._planner.schedule_spec
+        planner = self._setup.planner
+        name = planner.schedule.name if planner.schedule is not None else planner.schedule_spec
         return (
             f"Pipeline({type(self.module).__name__}, stages={self.stages}, schedule={name!r}, "
             f"microbatches={self.microbatches}, devices={[str(d) for d in self.devices]})"
         )
-
-
-def _executor_for(
-    stages: int,
-    devices: Sequence[str | torch.device] | None,
-    data_parallel: int | None,
-    timeout: float,
-) -> Executor:
-    """The distributed executor inside torchrun (torch.distributed initialised), else the
-    local one."""
-    if dist.is_initialized():
-        if devices is not None:
-            raise ValueError(
-                f"devices={devices!r} cannot be used under torch.distributed: each process "
-                "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
-            )
-        return DistributedExecutor(stages, data_parallel, timeout=timeout)
-    return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)

@@ -1,0 +1,126 @@
+"""Measurement behind a Pipeline: the measured step traces, the calibration made from them,
+the predicted step (simulate) and re-partitioning from measured costs (rebalance)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from partitioner import split_model
+from pipeline.facade.setup import Setup
+from pipeline.planning.calibration import (
+    Calibration,
+    Rebalance,
+    calibrate,
+    calibrated_costs,
+    measured_node_costs,
+    predict_calibrated,
+    propose_rebalance,
+)
+from pipeline.planning.costs import StageCosts, costs_for_stages, predict
+from pipeline.planning.planner import Planned
+from scheduler import Schedule, Timeline, build_schedule
+
+log = logging.getLogger("hybridpipe")
+
+
+class Measurement:
+    """Step traces of one Pipeline (`setup` gives its plan and executor) and what is computed
+    from them; `auto_rebalance`: re-balance once when two traces are in."""
+
+    def __init__(self, setup: Setup, stages: int, auto_rebalance: bool) -> None:
+        self.setup = setup
+        self.stages = stages
+        self.auto_rebalance = auto_rebalance
+        self.trace: Timeline | None = None
+        # Measured traces for calibration: the last few steps after the first (warm-up) one.
+        self.measured: collections.deque[Timeline] = collections.deque(maxlen=4)
+        self.steps = 0
+        self.rebalanced: Rebalance | None = None
+
+    def record(self, trace: Timeline) -> None:
+        """Keep a complete step trace for calibration (not the first, warm-up step's), and
+        re-balance once when asked to and two traces are in."""
+        self.trace = trace
+        self.steps += 1
+        schedule = self.setup.schedule
+        ops = 3 if schedule.splits_backward else 2
+        complete = len(trace.events) == ops * schedule.num_stages * schedule.num_microbatches
+        if self.steps > 1 and complete:
+            self.measured.append(trace)
+        if self.auto_rebalance and self.rebalanced is None and len(self.measured) >= 2:
+            self.rebalance()
+
+    @property
+    def calibration(self) -> Calibration | None:
+        if not self.measured:
+            return None
+        return calibrate(self.setup.schedule, list(self.measured))
+
+    def profiled_costs(self) -> StageCosts:
+        setup = self.setup
+        return setup.planner.costs(setup.made, setup.executor.coordination)
+
+    def simulate(
+        self, schedule: Schedule | str | None, comm: float | None, calibrated: bool
+    ) -> Timeline:
+        profiled = self.profiled_costs()
+        calibration = self.calibration if calibrated else None
+        if schedule is None:
+            schedule = self.setup.schedule
+        elif isinstance(schedule, str):
+            schedule = build_schedule(
+                schedule, self.stages, self.setup.schedule.num_microbatches
+            )
+        target = schedule
+        planned = self.setup.planned
+        graph = planned.graph if planned is not None else None
+        if target.num_stages != profiled.num_stages and (
+            not self.setup.executor.coordination.keeps_whole_model or graph is None
+        ):
+            raise ValueError(
+                f"schedule {target.name!r} has {target.num_stages} stages and this plan "
+                f"{profiled.num_stages}; under torch.distributed only the plan's stage count "
+                "can be simulated"
+            )
+        balance = self.setup.planner.balance
+        balance = balance if isinstance(balance, str) else "profile"
+
+        def costs_of(step: Calibration | None) -> StageCosts:
+            costs = profiled if step is None else calibrated_costs(step, profiled)
+            if graph is None or target.num_stages == costs.num_stages:
+                return costs
+            plan = self.setup.made.plan
+            scaled = graph if step is None else measured_node_costs(graph, plan, costs)
+            return costs_for_stages(scaled, target.num_stages, balance)
+
+        if calibration is None:
+            return predict(target, costs_of(None), latency=comm or 0.0)
+        return predict_calibrated(target, calibration, costs_of, latency=comm)
+
+    def rebalance(self, threshold: float = 0.05) -> Rebalance:
+        calibration = self.calibration
+        if calibration is None:
+            raise ValueError("rebalance needs measured steps: run at least two steps first")
+        setup = self.setup
+        if not setup.executor.coordination.keeps_whole_model:
+            raise ValueError(
+                "rebalance works in one process: under torch.distributed each process holds "
+                "only its stages' weights; pass balance=[...] with the sizes it reports instead"
+            )
+        planned = setup.made
+        report, plan = propose_rebalance(
+            planned.graph, planned.plan, planned.schedule, calibration, self.profiled_costs(),
+            threshold,
+        )
+        if report.applied:
+            new = Planned(
+                planned.model, planned.schedule, plan, planned.graph, planned.example,
+                split_model(planned.graph, plan), None,
+            )
+            setup.load(new)
+            setup.planned = new
+            self.measured.clear()  # the old traces describe the old stages
+        self.rebalanced = report
+        log.info("hybridpipe: %s", report)
+        return report
