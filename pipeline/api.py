@@ -9,7 +9,7 @@ pipeline.facade."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import networkx as nx
@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from partitioner import Plan, StageModule
-from pipeline.execution.distributed import DistContext
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
 from pipeline.facade.measurement import Measurement
+from pipeline.facade.module_like import ModuleLike
 from pipeline.facade.running import CallGuard, one_at_a_time, run_step
 from pipeline.facade.settings import check_settings, executor_for
 from pipeline.facade.setup import Setup
@@ -33,7 +33,7 @@ from pipeline.planning.planner import Planned
 from scheduler import Schedule, Timeline
 
 
-class Pipeline:
+class Pipeline(ModuleLike):
     """A model split into pipeline stages that trains exactly as the unsplit model.
 
     ``Pipeline(model, stages=4)`` captures the model (torch.export, or torch.fx), partitions
@@ -264,88 +264,6 @@ class Pipeline:
     def rebalanced(self) -> Rebalance | None:
         """The report of the last `rebalance` (automatic or on demand), else None."""
         return self._measure.rebalanced
-
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The model's parameters (the stages share them); under torch.distributed, once set
-        up, only this process's stages' parameters."""
-        return (p for _, p in self.named_parameters(recurse=recurse))
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[
-        tuple[str, nn.Parameter]
-    ]:
-        """The model's parameters under their original names (this process's, as above)."""
-        return self._executor.named_parameters(self.module, prefix, recurse)
-
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> Tensor:
-        """torch.nn.utils.clip_grad_norm_ over the whole model: the gradients' norm over every
-        parameter (under torch.distributed combined over the pipeline's ranks, a tied
-        parameter counted once) is returned, the same on every process, and every gradient
-        is scaled by max_norm / (norm + 1e-6) when that is below 1. Call it after `step`,
-        before the optimizer's; clipping each process's own parameters instead would use a
-        different norm on every rank."""
-        return self._executor.clip_grad_norm_(
-            self.module, max_norm, norm_type, error_if_nonfinite
-        )
-
-    @property
-    def distributed(self) -> DistContext | None:
-        """The process groups and rank layout under torch.distributed, else None."""
-        return self._executor.context
-
-    @property
-    def holds_first_stage(self) -> bool:
-        """Whether this process runs stage 0 (always, in one process)."""
-        return self._executor.holds_first_stage
-
-    @property
-    def holds_last_stage(self) -> bool:
-        """Whether this process runs the last stage (always, in one process)."""
-        return self._executor.holds_last_stage
-
-
-    def state_dict(self) -> dict[str, Tensor] | None:
-        """The whole model's state dict under its original keys (CPU copies). Under
-        torch.distributed every process must call it; global rank 0 gets it, others None."""
-        return self._state.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Load a whole-model state dict (e.g. ``model.state_dict()``, or ``torch.load(path,
-        mmap=True)``) into the stages this process holds. Missing or unexpected keys (when
-        `strict`) and shape mismatches raise ValueError listing them."""
-        self._state.load_state_dict(state_dict, strict)
-
-    def save_checkpoint(
-        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
-        extra: Any = None,
-    ) -> None:
-        """Write model and optimizer state (keyed by parameter name) and `extra` into the
-        checkpoint directory `path`, sharded (torch.distributed.checkpoint: every process
-        writes its own stages) and atomically (a new version, then an atomic switch; see
-        pipeline.checkpoint). Under torch.distributed every process calls it; loadable at any
-        (stages, data_parallel) layout. `extra` must be plain data (checked now)."""
-        self._state.save_checkpoint(path, optimizer, extra)
-
-    def load_checkpoint(
-        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
-    ) -> Any:
-        """Load a checkpoint from `save_checkpoint` (any layout) into this process's stages
-        and `optimizer` (build it over ``pipe.parameters()`` first); returns the saved extra.
-        All or nothing: a checkpoint of another model or optimizer (type, param groups) is a
-        ValueError that changes nothing."""
-        return self._state.load_checkpoint(path, optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.module.zero_grad(set_to_none)
-
-    def train(self, mode: bool = True) -> Pipeline:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Pipeline:
-        return self.train(False)
 
     def __repr__(self) -> str:
         planner = self._setup.planner
