@@ -4,8 +4,10 @@ torchrun), with data-parallel replicas of the whole pipeline on top. Modules by 
 failure reports, `RankFailure`), `agreement` (setup over the c10d store: settings checked
 before any tensor moves, setup failures named; `SettingsMismatch`), `context` (process groups
 + failure protocol + agreement = `DistContext`; `agree` for checkpoints), `p2p` (wire format
-and the point-to-point `Transport`), `gradsync` (replica gradient averaging) and `executor`
-(`DistributedExecutor`, which runs the shared `RankRuntime`).
+and the point-to-point `Transport`), `gradsync` (replica gradient averaging), `ties`
+(parameters tied across pipeline ranks), `step_agreement` (each step's batch-shape key and call,
+agreed within a pipeline), `step_end` (the loss on every rank, the trace on global rank 0) and
+`executor` (`DistributedExecutor`, which runs the shared `RankRuntime`).
 
 Naming: a *rank* is a process; its *pipeline rank* is its "pp" coordinate (which stages it
 holds), its *replica* its "dp" coordinate. A *stage* is one contiguous piece of the model;

@@ -2,8 +2,9 @@
 It runs the shared `RankRuntime` over a `P2PTransport`, averages gradients over replicas
 (`GradSync`) and keeps their written buffers equal (`BufferSync`), sums the gradients of
 parameters tied across pipeline ranks (`TieSync`), agrees on each step's batch shapes with its
-pipeline, and ends each step with the loss on every process and the pipeline's trace on global
-rank 0; `clip_grad_norm_` clips by the whole model's norm.
+pipeline (`StepAgreement`, step_agreement.py), and ends each step with the loss on every process
+and the pipeline's trace on global rank 0 (`StepEnd`, step_end.py); `clip_grad_norm_` clips by
+the whole model's norm.
 
 Shapes. Tensor shapes and dtypes crossing ranks come from running the plan: at the first step
 (and whenever the batch's shapes change) each message is preceded by a small metadata message,
@@ -21,10 +22,8 @@ copied to the other replicas.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,45 +39,15 @@ from pipeline.execution.distributed.gradsync import (
     finish_order,
     sync_replicas,
 )
-from pipeline.execution.distributed.p2p import (
-    LOSS_TAG,
-    MAX_MICROBATCHES,
-    MAX_STAGES,
-    SIG_TAG,
-    TRACE_TAG,
-    P2PTransport,
-)
+from pipeline.execution.distributed.p2p import MAX_MICROBATCHES, MAX_STAGES, P2PTransport
+from pipeline.execution.distributed.step_agreement import StepAgreement
+from pipeline.execution.distributed.step_end import StepEnd
 from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
-from pipeline.planning.microbatch import batch_size
 from pipeline.planning.planner import Coordination, Planned
-from scheduler import Event, MessageKey, Op, Timeline, forward_only, incoming, lower
-
-
-@dataclass
-class _Pending:
-    """A started end-of-step transfer: its Work, the peer (None for a collective), what it
-    carries (for error messages) and the receive buffer, if any."""
-
-    work: Any
-    peer: int | None
-    what: str
-    buffer: Tensor | None = None
-
-
-_MODES = ("train", "forward")
-_CALLS = {"train": "step(x, y)", "forward": "forward (pipe(x))"}
-
-
-def _shape_key(mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]]) -> int:
-    desc = [mode, count] + [
-        (tuple(t.shape), str(t.dtype)) for mb in inputs for t in mb if isinstance(t, Tensor)
-    ]
-    digest = hashlib.blake2b(repr(desc).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
 
 
 class DistributedExecutor(Executor):
@@ -114,10 +83,12 @@ class DistributedExecutor(Executor):
         self.transport = P2PTransport(ctx, prefetch=prefetch)
         self.bucket_bytes = bucket_bytes
         self._tags_match = dist.get_backend() == "gloo"
-        self._gathers_trace = gather_trace and self.layout.dp_rank == 0 and stages > 1
+        self.ending = StepEnd(
+            ctx, gathers_trace=gather_trace and self.layout.dp_rank == 0 and stages > 1
+        )
         self._mine: dict[int, StageModule] = {}
         self.ties: TieSync | None = None
-        self._incoming: dict[tuple[str, int], dict[int, list[MessageKey]]] = {}
+        self.agreement = StepAgreement(ctx, self.transport)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -236,64 +207,6 @@ class DistributedExecutor(Executor):
         clip_grads_with_norm_(params, max_norm, total)
         return total
 
-    # -- per-step agreement -----------------------------------------------------------------------
-
-    def _messages(self, mode: str, count: int) -> dict[int, list[MessageKey]]:
-        """Per peer pipeline rank, the messages it sends this rank, in its send order."""
-        if (mode, count) not in self._incoming:
-            schedule = self._schedule
-            if mode != "train":
-                schedule = forward_only(schedule, count)
-            self._incoming[(mode, count)] = incoming(lower(schedule), self.layout.pp_rank)
-        return self._incoming[(mode, count)]
-
-    def _agree_key(
-        self, mode: str, count: int, inputs: Sequence[tuple[Tensor, ...]] | None,
-        targets: Sequence[Any] | None = None,
-    ) -> tuple[int, int]:
-        """The first stage's rank tells its pipeline the batch-shape key, the microbatch count,
-        the call and the batch size; the others check the call and their targets' batch size
-        against it (ValueError naming both values)."""
-        first = self.layout.global_rank(self._schedule.placement[0])
-        device = self.context.device
-        if self.layout.rank == first:
-            if inputs is None:
-                raise ValueError(
-                    f"{self.layout.describe()} runs stage 0 and needs the batch; pass this "
-                    "replica's inputs to step()/forward on this process"
-                )
-            rows = sum(batch_size(mb, "inputs") for mb in inputs)
-            sig = torch.tensor([_shape_key(mode, count, inputs), count, _MODES.index(mode), rows],
-                               dtype=torch.int64, device=device)
-            for p, r in enumerate(self.layout.pipeline_ranks()):
-                if r != first:  # completion is awaited with the step's other sends
-                    self.transport.track(
-                        dist.isend(sig, dst=r, tag=SIG_TAG), p, sig, "the batch-shape key"
-                    )
-            return int(sig[0]), count
-        sig = torch.empty(4, dtype=torch.int64, device=device)
-        self.context.wait_work(
-            dist.irecv(sig, src=first, tag=SIG_TAG), first, "the batch-shape key"
-        )
-        key, count, their_mode, rows = sig.tolist()
-        here, there = self.layout.describe(), f"{self.layout.describe(first)} (stage 0)"
-        if _MODES[their_mode] != mode:
-            raise ValueError(
-                f"the call differs within replica {self.layout.dp_rank}: {there} called "
-                f"{_CALLS[_MODES[their_mode]]} but {here} called {_CALLS[mode]}; every process "
-                "of a replica must make the same calls in the same order"
-            )
-        if targets is not None:
-            own = sum(batch_size(t, "targets") for t in targets)
-            if own != rows:
-                raise ValueError(
-                    f"the batch size differs within replica {self.layout.dp_rank}: {there} was "
-                    f"given inputs of {rows} samples but {here} (the last stage) targets of "
-                    f"{own}; give every process of a replica the same batch (targets row for "
-                    "row with the inputs)"
-                )
-        return key, count
-
     # -- running ----------------------------------------------------------------------------------
 
     def _run_step(
@@ -305,20 +218,22 @@ class DistributedExecutor(Executor):
         schedule = self._schedule
         ctx = self.context
         with ctx.guard("training step"):
-            key, _ = self._agree_key("train", schedule.num_microbatches, inputs, targets)
-            self.transport.begin(key, self._messages("train", schedule.num_microbatches))
+            m, last = schedule.num_microbatches, self.holds_last_stage
+            key, _ = self.agreement.agree_key(schedule, "train", m, inputs, targets)
+            self.transport.begin(key, self.agreement.messages(schedule, "train", m))
             try:
                 total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-                pending = self._end_receives(total) if self._tags_match else []
+                ending, early = self.ending, self._tags_match  # gloo: post the receives now
+                pending = ending.receives(schedule, total, holds_last=last) if early else []
                 self.buffer_sync.begin()
                 with self.runtime.step_leaves():
                     result = self.runtime.run_step(inputs, targets, loss_weights)
-                if self.holds_last_stage:
+                if last:
                     losses = [v.to(torch.float64) for v in result.losses.values()]
                     total += torch.stack(losses).sum()
-                if not self._tags_match:
-                    pending += self._end_receives(total)
-                pending += self._end_sends(total, result.events)
+                if not early:
+                    pending += ending.receives(schedule, total, holds_last=last)
+                pending += ending.sends(total, result.events, holds_last=last)
                 self.transport.finish()
             except BaseException:
                 self.transport.abandon()
@@ -327,15 +242,15 @@ class DistributedExecutor(Executor):
             if self.ties is not None:
                 self.ties.finish()
             self.buffer_sync.finish()
-            timeline = self._finish(pending, result.events)
+            timeline = ending.finish(schedule, pending, result.events)
         return StepResult(total / self.layout.data_parallel, timeline, result.input_grads)
 
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         """Forward only; on the last stage's rank the output per microbatch, elsewhere []."""
         with self.context.guard("forward pass"):
             count = len(inputs) if inputs is not None else 0
-            key, count = self._agree_key("forward", count, inputs)
-            self.transport.begin(key, self._messages("forward", count))
+            key, count = self.agreement.agree_key(self._schedule, "forward", count, inputs)
+            self.transport.begin(key, self.agreement.messages(self._schedule, "forward", count))
             self.buffer_sync.begin()
             try:
                 result = self.runtime.run_forward(inputs, count, grad=torch.is_grad_enabled())
@@ -347,62 +262,3 @@ class DistributedExecutor(Executor):
         if not self.holds_last_stage:
             return []
         return [result.outputs[m] for m in range(count)]
-
-    # -- the end of a step: the loss on every rank, the trace on global rank 0 ---------------------
-
-    def _end_receives(self, total: Tensor) -> list[_Pending]:
-        """The step's last messages for this rank: with data parallelism every rank but the
-        last stage's joins the loss all-reduce (adding 0); otherwise those ranks receive the
-        loss from the last stage's rank. Global rank 0 receives its pipeline's traces (one
-        row per action). With gloo (tags match messages) these are posted when the step
-        starts, so they are complete when waited on; in-order backends post them at the end."""
-        pending: list[_Pending] = []
-        if not self.holds_last_stage:
-            if self.layout.data_parallel > 1:
-                pending.append(_Pending(dist.all_reduce(total, async_op=True), None, "the loss"))
-            else:
-                last = self.layout.global_rank(self._schedule.placement[-1])
-                work = dist.irecv(total, src=last, tag=LOSS_TAG)
-                pending.append(_Pending(work, last, "the loss"))
-        if self._gathers_trace and self.layout.rank == 0:
-            for peer in range(1, self.layout.stages):
-                n = len(self._schedule.actions[peer])
-                buf = torch.empty(n * 5, dtype=torch.float64, device=self.context.device)
-                src = self.layout.global_rank(peer)
-                work = dist.irecv(buf, src=src, tag=TRACE_TAG)
-                pending.append(_Pending(work, src, "the trace", buf))
-        return pending
-
-    def _end_sends(self, total: Tensor, events: Sequence[Event]) -> list[_Pending]:
-        """The last stage's rank shares the loss; replica 0's other ranks send their trace."""
-        pending: list[_Pending] = []
-        if self.holds_last_stage:
-            if self.layout.data_parallel > 1:
-                pending.append(_Pending(dist.all_reduce(total, async_op=True), None, "the loss"))
-            else:
-                for r in self.layout.pipeline_ranks():
-                    if r != self.layout.rank:
-                        work = dist.isend(total, dst=r, tag=LOSS_TAG)
-                        pending.append(_Pending(work, r, "the delivery of the loss"))
-        if self._gathers_trace and self.layout.rank != 0:
-            rows = [[e.stage, "FBW".index(e.op.value), e.microbatch, e.start, e.end]
-                    for e in events]
-            packed = torch.tensor(rows, dtype=torch.float64, device=self.context.device)
-            work = dist.isend(packed.reshape(-1), dst=0, tag=TRACE_TAG)
-            pending.append(_Pending(work, 0, "the delivery of the trace", packed))
-        return pending
-
-    def _finish(self, pending: Sequence[_Pending], events: Sequence[Event]) -> Timeline:
-        every = list(events)
-        for item in pending:
-            self.context.wait_work(item.work, item.peer, item.what)
-            if item.what == "the trace" and item.buffer is not None and item.peer is not None:
-                pp_rank = self.layout.coordinate(item.peer)[1]
-                for stage, op, mb, start, end in item.buffer.reshape(-1, 5).tolist():
-                    every.append(
-                        Event(pp_rank, int(stage), Op("FBW"[int(op)]), int(mb), start, end)
-                    )
-        every.sort(key=lambda e: e.start)
-        schedule = self._schedule
-        return Timeline(tuple(every), self.layout.stages, schedule.splits_backward,
-                        name=schedule.name)
