@@ -1,5 +1,5 @@
-"""Schedule IR, generators, validator and cost simulator. Pure Python: imports nothing of ours
-and no torch."""
+"""Schedule IR, generators, synthesis from costs, validator and cost simulator. Pure Python:
+imports nothing of ours and no torch."""
 
 from scheduler.generators import SCHEDULES, build_schedule
 from scheduler.ir import Action, Op, Schedule
@@ -18,6 +18,7 @@ from scheduler.lowering import (
     receive_order,
 )
 from scheduler.simulate import rank_costs_to_stages, simulate
+from scheduler.synthesize import lower_bound, synthesize
 from scheduler.timeline import Event, Timeline
 from scheduler.validate import validate
 
@@ -31,6 +32,8 @@ __all__ = [
     "build_schedule",
     "validate",
     "simulate",
+    "synthesize",
+    "lower_bound",
     "rank_costs_to_stages",
     "lower",
     "receive_order",
