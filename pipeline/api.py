@@ -30,6 +30,7 @@ from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import StageCosts
 from pipeline.planning.microbatch import Batch
 from pipeline.planning.planner import Planned
+from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule, Timeline
 
 
@@ -54,7 +55,10 @@ class Pipeline(ModuleLike):
       first batch by simulating the candidates on the profiled model (pipeline.planning.autoplan;
       the fastest predicted step), under ``memory_limit`` bytes per device (parameters x 4 for
       weights, grads and Adam, plus the simulated peak of held activations). ``pipe.autoplan``
-      holds the ranked candidates.
+      holds the ranked candidates. "auto" schedules include one synthesised for the profiled
+      costs (``scheduler.synthesize``), and in one process, once two steps are measured, one
+      synthesised from the measured costs replaces the running schedule if it is predicted
+      > 5% faster (``pipe.resynthesized``; see `resynthesize`).
     - ``example_input``: when given, the plan is made now; otherwise from the first batch
       (capture and profiling run on one microbatch of it).
     - ``checkpoint_activations``: recompute each stage's forward in its backward
@@ -264,6 +268,17 @@ class Pipeline(ModuleLike):
     def rebalanced(self) -> Rebalance | None:
         """The report of the last `rebalance` (automatic or on demand), else None."""
         return self._measure.rebalanced
+
+    def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
+        """Synthesise a schedule from the measured costs within the memory the running one
+        may hold (``memory_limit``, else its peak in-flight activations) and run it from the
+        next step if it cuts the calibrated predicted step by more than `threshold`. One
+        process only. Returns the report, also kept as ``pipe.resynthesized``."""
+        return self._measure.resynthesize(threshold)
+
+    @property
+    def resynthesized(self) -> Resynthesis | None:
+        return self._measure.resynthesized
 
     def __repr__(self) -> str:
         planner = self._setup.planner

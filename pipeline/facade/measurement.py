@@ -1,9 +1,11 @@
 """Measurement behind a Pipeline: the measured step traces, the calibration made from them,
-the predicted step (simulate) and re-partitioning from measured costs (rebalance)."""
+the predicted step (simulate), re-partitioning from measured costs (rebalance) and, for
+schedule="auto", a schedule synthesised from measured costs (resynthesize)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 
 from partitioner import split_model
@@ -19,6 +21,7 @@ from pipeline.planning.calibration import (
 )
 from pipeline.planning.costs import StageCosts, costs_for_stages, predict
 from pipeline.planning.planner import Planned
+from pipeline.planning.synthesis import Resynthesis, propose_schedule, running_limits
 from scheduler import Schedule, Timeline, build_schedule
 
 log = logging.getLogger("hybridpipe")
@@ -26,7 +29,9 @@ log = logging.getLogger("hybridpipe")
 
 class Measurement:
     """Step traces of one Pipeline (`setup` gives its plan and executor) and what is computed
-    from them; `auto_rebalance`: re-balance once when two traces are in."""
+    from them; `auto_rebalance`: re-balance once when two traces are in. With
+    schedule="auto", in one process, a schedule is synthesised once from two traces of the
+    running one (after any re-balance)."""
 
     def __init__(self, setup: Setup, stages: int, auto_rebalance: bool) -> None:
         self.setup = setup
@@ -37,6 +42,7 @@ class Measurement:
         self.measured: collections.deque[Timeline] = collections.deque(maxlen=4)
         self.steps = 0
         self.rebalanced: Rebalance | None = None
+        self.resynthesized: Resynthesis | None = None
 
     def record(self, trace: Timeline) -> None:
         """Keep a complete step trace for calibration (not the first, warm-up step's), and
@@ -50,6 +56,10 @@ class Measurement:
             self.measured.append(trace)
         if self.auto_rebalance and self.rebalanced is None and len(self.measured) >= 2:
             self.rebalance()
+        if (self.setup.planner.auto_schedule and self.resynthesized is None
+                and len(self.measured) >= 2
+                and self.setup.executor.coordination.keeps_whole_model):
+            self.resynthesize()
 
     @property
     def calibration(self) -> Calibration | None:
@@ -122,5 +132,30 @@ class Measurement:
             setup.planned = new
             self.measured.clear()  # the old traces describe the old stages
         self.rebalanced = report
+        log.info("hybridpipe: %s", report)
+        return report
+
+    def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
+        calibration = self.calibration
+        if calibration is None:
+            raise ValueError("resynthesize needs measured steps: run at least two steps first")
+        setup = self.setup
+        if not setup.executor.coordination.keeps_whole_model:
+            raise ValueError(
+                "resynthesize works in one process: under torch.distributed every process "
+                "would have to switch at the same step; pass the schedule it reports instead"
+            )
+        planned, profiled = setup.made, self.profiled_costs()
+        limits = running_limits(planned.schedule, profiled, setup.planner.memory_limit)
+        report, schedule = propose_schedule(
+            planned.schedule, calibration, profiled, limits, threshold
+        )
+        if report.applied:
+            new = dataclasses.replace(planned, schedule=schedule)
+            setup.planner.schedule = schedule
+            setup.load(new)
+            setup.planned = new
+            self.measured.clear()  # the old traces describe the old schedule
+        self.resynthesized = report
         log.info("hybridpipe: %s", report)
         return report

@@ -17,6 +17,11 @@ Candidates over `memory_limit` are dropped before they are simulated (a rank's p
 activations follow from its action order alone: `scheduler.simulate.peak_held`), and so are
 those whose lower bound (a rank's wait for microbatch 0's forwards below it plus all its
 work, plus the all-reduce) cannot beat the `keep`-th best found so far.
+
+"synth" among the schedules (the default) adds, for the `synthesized_configs` best (pp, m, v)
+found, a schedule searched for those very costs under the memory left beside the parameters
+(`scheduler.synthesize` via `pipeline.planning.synthesis`); the candidate carries it as
+`built`.
 """
 
 from __future__ import annotations
@@ -24,17 +29,15 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import networkx as nx
 
 from pipeline.planning.costs import StageCosts, costs_for_stages, predict_summary
+from pipeline.planning.synthesis import OPTIMIZER_FACTOR, SYNTH, inflight_limits, synthesized
 from scheduler import SCHEDULES, Schedule, build_schedule
 from scheduler.simulate import peak_held
-
-OPTIMIZER_FACTOR = 4.0
-"""Bytes held per parameter byte: the weight, its gradient and Adam's two moments."""
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,18 @@ class Candidate:
     allreduce_time: float
     bubble: float
     peak_memory: tuple[float, ...]
+    built: Schedule | None = field(default=None, compare=False, repr=False)
 
     @property
     def max_memory(self) -> float:
         return max(self.peak_memory)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak_memory": list(self.peak_memory)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "built"}
+        out["peak_memory"] = list(self.peak_memory)
+        if self.built is not None:
+            out["actions"] = self.built.to_text()
+        return out
 
 
 @dataclass(frozen=True)
@@ -178,14 +186,16 @@ def search(
     overhead: float = 0.0,
     dp_bandwidth: float | None = None,
     keep: int = 20,
+    synthesized_configs: int = 2,
 ) -> AutoPlan:
     """Rank configurations of a profiled `graph` (profiled on microbatches of
     `profiled_batch` samples) for `world_size` devices and `batch_size` samples per step.
 
     `pp`: pipeline rank counts to try (default: every divisor of world_size that the graph
-    can be cut into); dp = world_size // pp. `schedules` (default all), `microbatches`
-    (default `default_microbatches`) and `virtual_stages` restrict the search. `keep` best
-    candidates are returned. See the module docstring for the model."""
+    can be cut into); dp = world_size // pp. `schedules` (default all, "synth" included),
+    `microbatches` (default `default_microbatches`) and `virtual_stages` restrict the search.
+    `keep` best candidates are returned; a schedule is synthesised for the
+    `synthesized_configs` best (pp, m, v). See the module docstring for the model."""
     started = time.perf_counter()
     if world_size < 1 or batch_size < 1 or profiled_batch < 1:
         raise ValueError(
@@ -194,10 +204,12 @@ def search(
         )
     if memory_limit is not None and memory_limit <= 0:
         raise ValueError(f"memory_limit must be > 0 bytes, got {memory_limit}")
-    names = list(schedules) if schedules is not None else sorted(SCHEDULES)
-    unknown = [n for n in names if n not in SCHEDULES]
+    names = list(schedules) if schedules is not None else [*sorted(SCHEDULES), SYNTH]
+    unknown = [n for n in names if n not in SCHEDULES and n != SYNTH]
     if unknown:
-        raise ValueError(f"unknown schedules {unknown}; choose from {sorted(SCHEDULES)}")
+        raise ValueError(
+            f"unknown schedules {unknown}; choose from {[*sorted(SCHEDULES), SYNTH]}"
+        )
     nodes = len(graph.graph["order"])
     pps = list(pp) if pp is not None else [d for d in _divisors(world_size) if d <= nodes]
     bad = [p for p in pps if p < 1 or world_size % p]
@@ -214,7 +226,7 @@ def search(
             notes.append(f"pp={p}: batch {batch_size} does not split over dp={dp} replicas")
             continue
         per_replica = batch_size // dp
-        for name in names:
+        for name in (n for n in names if n != SYNTH):
             for v in _variants(name, virtual_stages):
                 stages = p * v
                 if stages > nodes:
@@ -259,11 +271,21 @@ def search(
                         pruned += 1
                         continue
                     simulated += 1
-                    entry = (-candidate.step_time, simulated, candidate)
-                    if len(heap) < keep:
-                        heapq.heappush(heap, entry)
-                    elif candidate.step_time < -heap[0][0]:
-                        heapq.heapreplace(heap, entry)
+                    _offer(heap, keep, candidate, simulated)
+    if SYNTH in names and synthesized_configs > 0:
+        configs = list(dict.fromkeys((c.pp, c.microbatches, c.virtual_stages) for _, _, c in
+                                     sorted(heap, key=lambda e: (-e[0], e[1]))))
+        for p, m, v in configs[:synthesized_configs]:
+            dp = world_size // p
+            base = costs_cache.get(p * v) or costs_for_stages(graph, p * v)
+            costs_cache[p * v] = base
+            candidate = _synthesized(
+                base, p, m, v, dp, batch_size // dp / m / profiled_batch, optimizer_factor,
+                latency, overhead, dp_bandwidth, memory_limit,
+            )
+            if candidate is not None:
+                simulated += 1
+                _offer(heap, keep, candidate, simulated)
     ranked = sorted(
         (c for _, _, c in heap), key=lambda c: (c.step_time, c.max_memory, c.pp, c.schedule)
     )
@@ -278,6 +300,34 @@ def search(
         seconds=time.perf_counter() - started,
         notes=notes,
     )
+
+
+def _offer(heap: list[tuple[float, int, Candidate]], keep: int, candidate: Candidate,
+           order: int) -> None:
+    """Keep `candidate` if it is among the `keep` fastest (heap: max-heap on step time)."""
+    entry = (-candidate.step_time, order, candidate)
+    if len(heap) < keep:
+        heapq.heappush(heap, entry)
+    elif candidate.step_time < -heap[0][0]:
+        heapq.heapreplace(heap, entry)
+
+
+def _synthesized(
+    base: StageCosts, p: int, m: int, v: int, dp: int, factor: float, optimizer_factor: float,
+    latency: float, overhead: float, dp_bandwidth: float | None, memory_limit: float | None,
+) -> Candidate | None:
+    """The candidate of a schedule synthesised for this (pp, m, v) from the scaled costs, in
+    the memory the parameters leave (None if not even one microbatch fits)."""
+    costs = _scaled(base, factor)
+    fixed = [x * optimizer_factor for x in _rank_sums(base.param_bytes, list(range(p)) * v, p)]
+    limits = inflight_limits(costs, p, m, v, memory_limit, fixed)
+    if limits is None:
+        return None
+    schedule = synthesized(costs, p, m, limits, virtual_stages=v, latency=latency,
+                           overhead=overhead)
+    candidate, _ = _evaluate(schedule, base, factor, dp, optimizer_factor, latency, overhead,
+                             dp_bandwidth, memory_limit, None)
+    return None if candidate is None else replace(candidate, built=schedule)
 
 
 def _evaluate(

@@ -145,6 +145,7 @@ class Planner:
         self.call_spec: TreeSpec | None = None
         self.ranks = ranks
         self.auto = AUTO in (schedule, microbatches, virtual_stages)
+        self.auto_schedule = schedule == AUTO  # re-synthesised from measured costs later
         self.memory_limit = memory_limit
         self.autoplan: AutoPlan | None = None
         self._auto_m = microbatches == AUTO
@@ -230,9 +231,11 @@ class Planner:
         )
         with how.phase("capture of the model"):
             if choice is not None:
-                name, _, v = choice
-                self.microbatches, self.virtual_stages, self.schedule_spec = m, v, name
-                self.schedule = self._build(m)
+                name, _, v, built = choice
+                self.microbatches, self.virtual_stages = m, v
+                if built is None:
+                    self.schedule_spec = name
+                self.schedule = built if built is not None else self._build(m)
                 log.info("hybridpipe: auto-planned schedule=%s microbatches=%d virtual_stages=%d",
                          name, m, v)
             if self.microbatches is None:
@@ -268,9 +271,11 @@ class Planner:
             method=self.capture_method,
         )
 
-    def _choose(self, graph: nx.DiGraph, size: int, profiled_batch: int) -> tuple[str, int, int]:
-        """(schedule, microbatches, virtual stages): the fastest predicted within the memory
-        limit, the settings not left to "auto" held fixed."""
+    def _choose(
+        self, graph: nx.DiGraph, size: int, profiled_batch: int
+    ) -> tuple[str, int, int, Schedule | None]:
+        """(schedule, microbatches, virtual stages, the schedule if synthesised): the fastest
+        predicted within the memory limit, the settings not left to "auto" held fixed."""
         fixed_name = None if self.schedule_spec == AUTO else [str(self.schedule_spec)]
         self.autoplan = search(
             graph,
@@ -285,7 +290,7 @@ class Planner:
             else [self.virtual_stages],
         )
         best = self.autoplan.best
-        return best.schedule, best.microbatches, best.virtual_stages
+        return best.schedule, best.microbatches, best.virtual_stages, best.built
 
     def costs(self, planned: Planned, how: Coordination) -> StageCosts:
         """Per-stage profiled seconds (profiling now, on the planning example, if needed)."""

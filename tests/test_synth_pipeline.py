@@ -1,0 +1,172 @@
+"""Synthesised schedules in a Pipeline: both executors run them as they run any schedule,
+transparently (float64 loss and every gradient equal to the unsplit model) on an uneven model
+(a GPT whose embedding and head outweigh its blocks); schedule="auto" puts a synthesised
+schedule among its candidates and re-synthesises from measured costs once steps have run.
+
+The distributed case is also the worker: ``python tests/test_synth_pipeline.py WORKER OUT``
+(run by tests.test_distributed.launch, as torchrun would)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline import Pipeline
+from pipeline.app.models import GPT
+from scheduler import Action, Schedule, synthesize
+
+ATOL = 1e-10
+VOCAB = 96  # embedding and head of 96 x 8 against blocks of dim 8: an uneven model
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+
+
+def uneven_gpt(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return GPT(vocab=VOCAB, dim=8, layers=3, heads=2, max_seq=8).double()
+
+
+def batch(step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randint(0, VOCAB, (rows, 6), generator=g),
+            torch.randint(0, VOCAB, (rows, 6), generator=g))
+
+
+def head_heavy(ranks: int, microbatches: int, virtual_stages: int = 1,
+               memory_limit: int = 3) -> Schedule:
+    """A schedule synthesised for costs whose first and last stages dominate."""
+    n = ranks * virtual_stages
+    f = [3.0 if s in (0, n - 1) else 1.0 for s in range(n)]
+    b = [4.0 if s == n - 1 else 1.5 for s in range(n)]
+    return synthesize(ranks, microbatches, f, b, 0.7, 0.1, memory_limit=memory_limit,
+                      virtual_stages=virtual_stages)
+
+
+def check_step(pipe: Pipeline, ref: nn.Module, step: int) -> None:
+    """One step of `pipe` equals the unsplit `ref` (loss and every gradient it holds)."""
+    x, y = batch(step)
+    ref.zero_grad()
+    expected = lm_loss(ref(x), y)
+    expected.backward()
+    pipe.zero_grad()
+    loss = pipe.step(x, y)
+    if loss is not None:
+        torch.testing.assert_close(loss.double(), expected.detach(), atol=ATOL, rtol=0)
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=ATOL, rtol=0, msg=name)
+
+
+def ran_in_order(pipe: Pipeline) -> bool:
+    trace = pipe.trace
+    assert trace is not None
+    return all(
+        [Action(e.stage, e.op, e.microbatch) for e in trace.for_rank(r)]
+        == list(pipe.schedule.actions[r]) for r in range(pipe.schedule.num_ranks)
+    )
+
+
+@pytest.mark.parametrize(("ranks", "microbatches", "v", "limit"),
+                         [(3, 4, 1, 3), (2, 4, 2, 4), (2, 5, 1, 1)])
+def test_local_executor_runs_a_synthesised_schedule_exactly(
+    ranks: int, microbatches: int, v: int, limit: int
+) -> None:
+    schedule = head_heavy(ranks, microbatches, v, limit)
+    model = uneven_gpt()
+    ref = uneven_gpt()
+    pipe = Pipeline(model, ranks, schedule=schedule, loss_fn=lm_loss, balance="parameters",
+                    capture_method="fx")
+    for step in range(2):
+        check_step(pipe, ref, step)
+    assert pipe.schedule.to_text() == schedule.to_text()
+    assert ran_in_order(pipe)
+
+
+def test_auto_schedule_considers_synthesis_then_resynthesises_from_measured_costs() -> None:
+    model, ref = uneven_gpt(), uneven_gpt()
+    pipe = Pipeline(model, 2, schedule="auto", microbatches=4, loss_fn=lm_loss,
+                    capture_method="fx")
+    check_step(pipe, ref, 0)
+    plan = pipe.autoplan
+    assert plan is not None
+    synthesised = [c for c in plan.candidates if c.schedule == "synth"]
+    assert synthesised and all(c.built is not None for c in synthesised)
+    assert pipe.schedule.name == plan.best.schedule
+    # Steps 2 and 3 are measured; the re-synthesis runs after step 3 and is reported.
+    for step in (1, 2):
+        check_step(pipe, ref, step)
+    report = pipe.resynthesized
+    assert report is not None and report.predicted_after > 0
+    assert report.applied == (pipe.schedule.name == "synth" and report.gain > 0.05)
+    # Forced (any gain accepted): the next step runs the synthesised schedule, exactly.
+    forced = pipe.resynthesize(threshold=-1.0)
+    assert forced.applied and pipe.schedule.name == "synth"
+    assert pipe.schedule.splits_backward
+    for step in (3, 4):
+        check_step(pipe, ref, step)
+        assert ran_in_order(pipe)
+
+
+def test_resynthesis_needs_measured_steps() -> None:
+    pipe = Pipeline(uneven_gpt(), 2, schedule="auto", microbatches=4, loss_fn=lm_loss,
+                    capture_method="fx", example_input=batch(0)[0])
+    with pytest.raises(ValueError, match="run at least two steps first"):
+        pipe.resynthesize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed: 2 processes (gloo), launched as torchrun does.
+# ---------------------------------------------------------------------------------------------
+
+
+def worker_synth(out: Path) -> None:
+    """pp=2 with a synthesised one-chunk and a synthesised V (two-chunk) schedule, 3 steps
+    each, against the unsplit model on every process."""
+    import torch.distributed as dist
+
+    from pipeline.checkpoint import gather_named
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for v, limit in ((1, 2), (2, 4)):
+        schedule = head_heavy(2, 4, v, limit)
+        ref = uneven_gpt()
+        pipe = Pipeline(uneven_gpt(), 2, schedule=schedule, loss_fn=lm_loss,
+                        balance="parameters", capture_method="fx")
+        assert pipe.schedule.to_text() == schedule.to_text()
+        for step in range(3):
+            x, y = batch(step)
+            ref.zero_grad()
+            expected = lm_loss(ref(x), y)
+            expected.backward()
+            pipe.zero_grad()
+            loss = pipe.step(x, y)
+            torch.testing.assert_close(loss.double(), expected.detach(), atol=ATOL, rtol=0)
+            grads = gather_named({k: p.grad for k, p in pipe.named_parameters()},
+                                 pipe.distributed)
+            if grads is not None:
+                params = dict(ref.named_parameters())
+                assert sorted(grads) == sorted(params)
+                for k, g in grads.items():
+                    torch.testing.assert_close(g, params[k].grad, atol=ATOL, rtol=0, msg=k)
+    dist.destroy_process_group()
+    print("worker synth: every check ran")
+
+
+@pytest.mark.slow
+def test_distributed_executor_runs_synthesised_schedules_exactly(tmp_path: Path) -> None:
+    from tests.test_distributed import _all_ok, launch
+
+    _all_ok(launch("synth", 2, tmp_path, script=__file__), "synth")
+
+
+if __name__ == "__main__":
+    {"synth": worker_synth}[sys.argv[1]](Path(sys.argv[2]))
