@@ -106,11 +106,14 @@ def test_auto_schedule_considers_synthesis_then_resynthesises_from_measured_cost
     report = pipe.resynthesized
     assert report is not None and report.predicted_after > 0
     assert report.applied == (pipe.schedule.name == "synth" and report.gain > 0.05)
-    # Forced (any gain accepted): the next step runs the synthesised schedule, exactly.
+    # Two more measured steps (of the new schedule if it was switched), then a forced
+    # re-synthesis (any gain accepted): the next steps run it, exactly.
+    for step in (3, 4):
+        check_step(pipe, ref, step)
     forced = pipe.resynthesize(threshold=-1.0)
     assert forced.applied and pipe.schedule.name == "synth"
     assert pipe.schedule.splits_backward
-    for step in (3, 4):
+    for step in (5, 6):
         check_step(pipe, ref, step)
         assert ran_in_order(pipe)
 
