@@ -113,6 +113,8 @@ def export_flat(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
         if node.op == "output":
             output = node
             continue
+        if node.op == "get_attr":  # a higher-order op's subgraph (e.g. an autocast region)
+            attrs[str(node.target)] = getattr(ep.graph_module, str(node.target))
         env[node] = new.node_copy(node, lambda n: env[n])
     assert output is not None
     results: list[Any] = []
