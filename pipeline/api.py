@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from partitioner import Plan, StageModule
+from pipeline.execution.precision import make_precision
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
 from pipeline.facade.measurement import Measurement
@@ -99,8 +100,14 @@ class Pipeline(ModuleLike):
     ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``
     to see them. ``pipe.trace`` holds the same actions as measured ``scheduler.Event``s.
 
-    Thread-local state of the caller (``torch.autocast``, grad mode) does not reach the worker
-    threads: put autocast inside the model's forward. Grad mode is handled: ``pipe(x)`` under
+    Mixed precision: ``mixed_precision=torch.bfloat16`` (or ``torch.float16``) runs every
+    stage's forward, and its recomputation, under ``torch.autocast`` for its device; parameters
+    and grads stay fp32, the loss is computed in fp32, and activations cross stages in the dtype
+    autocast gave them. fp16 adds dynamic loss scaling: call ``pipe.optimizer_step(opt)``
+    instead of ``opt.step()`` (see pipeline.execution.precision and loss_scale). The caller's
+    own ``torch.autocast`` (thread-local; it would not reach the worker threads) must agree
+    with ``mixed_precision`` or the call raises; autocast blocks inside forward are kept by
+    torch.export capture and refused by torch.fx. Grad mode is handled: ``pipe(x)`` under
     ``torch.no_grad()`` builds no graph.
 
     BatchNorm in train mode normalises each microbatch with its own statistics and updates
@@ -121,7 +128,7 @@ class Pipeline(ModuleLike):
         memory_limit: float | None = None, checkpoint_activations: bool = False,
         data_parallel: int | None = None, timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None, rebalance: bool = False,
-        capture_method: str = "auto",
+        capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -135,6 +142,7 @@ class Pipeline(ModuleLike):
         self.timeout = resolve_timeout(timeout)
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout)
         self.devices = self._executor.devices
+        self._executor.precision = make_precision(mixed_precision)
         self._setup = Setup.plan_for(
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
@@ -177,7 +185,8 @@ class Pipeline(ModuleLike):
                 "building the Pipeline, or call pipe(x) for forward only"
             )
         args = self._setup.args(x)
-        result = run_step(self._executor, self.parameters(), args, y)
+        with self._executor.precision.calling("Pipeline.step", self._device_types):
+            result = run_step(self._executor, self.parameters(), args, y)
         self._measure.record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")
@@ -189,7 +198,8 @@ class Pipeline(ModuleLike):
         equals ``model(x)`` (None on processes that do not hold the last stage). Under
         ``torch.no_grad()`` no graph is kept; otherwise the output stays connected to the
         parameters (a backward through it runs unpipelined)."""
-        return self._executor.forward(self._setup.args(x))
+        with self._executor.precision.calling("Pipeline.forward", self._device_types):
+            return self._executor.forward(self._setup.args(x))
 
     __call__ = forward
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from partitioner import StageModule
 from pipeline.execution.grads import apply_input_grads
+from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.planning.microbatch import (
     batch_size,
@@ -45,6 +46,7 @@ class Executor(ABC):
         self.planned: Planned | None = None
         self.loss_fn: LossFn | None = None
         self.checkpoint_activations = False
+        self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -110,6 +112,11 @@ class Executor(ABC):
         return torch.nn.utils.clip_grad_norm_(
             [p for _, p in self.named_parameters(model)], max_norm, norm_type, error_if_nonfinite
         )
+
+    def any_rank(self, flag: Tensor) -> Tensor:
+        """The maximum of `flag` (a 0-dim tensor) over every process of the job (e.g. an
+        inf/NaN found in any process's gradients); here there is one process."""
+        return flag
 
     @property
     def _schedule(self) -> Schedule:

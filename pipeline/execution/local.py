@@ -243,6 +243,7 @@ class LocalExecutor(Executor):
                 device=self.devices[rank],
                 loss_fn=self.loss_fn,
                 checkpoint_activations=self.checkpoint_activations,
+                precision=self.precision,
                 abort=self.abort,
                 statistics=statistics,
             )

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
+from pipeline.execution.loss_scale import LossScaler, Stepper
+
 DTYPES = (torch.bfloat16, torch.float16)
 _LOW = frozenset(DTYPES)
 
@@ -26,7 +28,7 @@ _LOW = frozenset(DTYPES)
 def check_mixed_precision(value: object) -> torch.dtype | None:
     """`value` as the autocast dtype of a Pipeline (None: full precision)."""
     if value is None or value in DTYPES:
-        return value  # type: ignore[return-value]
+        return value
     if value == torch.float32:
         raise ValueError(
             "mixed_precision=torch.float32 is full precision: pass mixed_precision=None "
@@ -58,7 +60,7 @@ class Precision:
     every stage's forward. Shared by the planner's capture, both executors' runtimes and the
     facade; `scaler` (fp16 only) is the loss scaler whose scale seeds each step's backward."""
 
-    def __init__(self, dtype: torch.dtype | None = None, scaler: Any = None) -> None:
+    def __init__(self, dtype: torch.dtype | None = None, scaler: LossScaler | None = None) -> None:
         self.dtype = check_mixed_precision(dtype)
         self.scaler = scaler
 
@@ -113,6 +115,26 @@ class Precision:
             return None
         return self.scaler.seed(loss)
 
+    def unscale_(self, grads: list[Tensor]) -> None:
+        """After a step: its fresh gradients divided by the loss scale (fp16 only)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(grads)
+
+    def optimizer_step(
+        self, optimizer: Stepper, any_rank: Callable[[Tensor], Tensor], *args: Any,
+        **kwargs: Any,
+    ) -> bool:
+        """The optimizer's step, skipped everywhere after an inf/NaN anywhere (fp16)."""
+        if not callable(getattr(optimizer, "step", None)):
+            raise TypeError(
+                f"optimizer_step needs an optimizer (with a step() method), got "
+                f"{type(optimizer).__name__}; build one over pipe.parameters()"
+            )
+        if self.scaler is None:
+            optimizer.step(*args, **kwargs)
+            return True
+        return self.scaler.optimizer_step(optimizer, any_rank, *args, **kwargs)
+
     @contextmanager
     def calling(self, what: str, device_types: Iterable[str] = ()) -> Iterator[None]:
         """Around `pipe.step` / `pipe(x)` in the caller's thread: a caller's autocast that
@@ -138,3 +160,10 @@ class Precision:
             for t in active:
                 stack.enter_context(torch.autocast(t, enabled=False))
             yield
+
+
+def make_precision(dtype: object) -> Precision:
+    """The policy for ``Pipeline(mixed_precision=dtype)``: fp16 gets a loss scaler (fp16's
+    5 exponent bits underflow small gradients; bf16 has fp32's range and needs none)."""
+    checked = check_mixed_precision(dtype)
+    return Precision(checked, LossScaler() if checked == torch.float16 else None)

@@ -46,6 +46,7 @@ from pipeline.execution.grads import (
     is_float,
     parameter_slots,
 )
+from pipeline.execution.precision import Precision
 from pipeline.execution.program import (
     LossFn,
     Program,
@@ -82,6 +83,9 @@ class RankRuntime:
 
     The runtime keeps per-step state (stashed activations, pending weight grads, undelivered
     messages) and checks it is empty at the end of each step.
+
+    `precision` (pipeline.execution.precision): the autocast each stage's forward and its
+    recomputation run under, the fp32 loss, and the loss scale a backward starts from.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class RankRuntime:
         on_stage_done: Callable[[int], None] | None = None,
         abort: CancelToken | None = None,
         statistics: Collection[str] = (),
+        precision: Precision | None = None,
     ) -> None:
         expected = set(schedule.stages_of(rank))
         if set(stages) != expected:
@@ -112,6 +117,7 @@ class RankRuntime:
         self.loss_fn = loss_fn
         self.checkpoint_activations = checkpoint_activations
         self.statistics = frozenset(statistics)
+        self.precision = precision or Precision()
         self.on_stage_done = on_stage_done
         self.abort = abort
         self.last_stage = schedule.num_stages - 1
@@ -252,18 +258,20 @@ class RankRuntime:
         # The module gets clones of the leaves, as in the unsplit model a stage's first op
         # may work in place on its input (e.g. ReLU(inplace=True)), which a leaf forbids.
         args = tuple(t.clone() if t.requires_grad and t.is_leaf else t for t in inputs)
+        run = self.precision.stage(module, self.device)  # under autocast, also when recomputed
         if train and self.checkpoint_activations:
-            outputs = checkpoint(module, *args, use_reentrant=False,
+            outputs = checkpoint(run, *args, use_reentrant=False,
                                  context_fn=lambda: (nullcontext(), self._recomputing(module)))
         else:
-            outputs = module(*args)
+            outputs = run(*args)
         outputs = check_stage_outputs(outputs, stage, last=step.writes is None)
         if step.writes is None:  # the last stage
             if not train:
                 state.result.outputs[mb] = outputs[0]
                 return
-            loss = weighted_loss(
-                self.loss_fn, outputs[0], state.targets[mb], state.weights[mb], mb
+            loss = weighted_loss(  # in fp32 under mixed precision
+                self.loss_fn, self.precision.loss_input(outputs[0]), state.targets[mb],
+                state.weights[mb], mb,
             )
             state.result.losses[mb] = loss.detach()
             self._stash[(stage, mb)] = (inputs, (loss.reshape(()),))
@@ -292,6 +300,8 @@ class RankRuntime:
         inputs, outputs = self._stash.pop((stage, mb))
         received = None if step.reads is None else self._mail.pop(step.reads)
         roots, grads = backward_roots(step.instruction, outputs, received)
+        if received is None:  # the loss: its backward starts from the loss scale (fp16)
+            grads = [self.precision.seed(roots[0])]
         floats = [t for t in inputs if is_float(t)]
         wanted = [t for t in floats if t.requires_grad]
         params = self._leaves[stage].leaves

@@ -69,7 +69,8 @@ class Measurement:
 
     def profiled_costs(self) -> StageCosts:
         setup = self.setup
-        return setup.planner.costs(setup.made, setup.executor.coordination)
+        with setup.executor.precision.planning(setup.executor.devices):
+            return setup.planner.costs(setup.made, setup.executor.coordination)
 
     def simulate(
         self, schedule: Schedule | str | None, comm: float | None, calibrated: bool

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import Executor
+from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.facade.state import ModelState
 
 _P = TypeVar("_P", bound="ModuleLike")
@@ -49,6 +50,27 @@ class ModuleLike:
         return self._executor.clip_grad_norm_(
             self.module, max_norm, norm_type, error_if_nonfinite
         )
+
+    @property
+    def _device_types(self) -> set[str]:
+        return {d.type for d in self._executor.devices}
+
+    def optimizer_step(self, optimizer: Stepper, *args: Any, **kwargs: Any) -> bool:
+        """``optimizer.step(*args, **kwargs)`` as ``torch.amp.GradScaler.step`` does it (call
+        it after `step`, instead of ``optimizer.step()``). Under ``mixed_precision=
+        torch.float16`` the step is skipped on every process when any process (any stage, any
+        replica) found an inf/NaN gradient since the last call, and the loss scale is updated
+        the same way everywhere (`scaler`); otherwise it just steps. Returns whether the
+        optimizer stepped. Under torch.distributed every process calls it."""
+        return self._executor.precision.optimizer_step(
+            optimizer, self._executor.any_rank, *args, **kwargs
+        )
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (``get_scale()``, ``state_dict()``, ``load_state_dict()`` as
+        torch.amp.GradScaler's; kept in checkpoints), or None without fp16."""
+        return self._executor.precision.scaler
 
     @property
     def distributed(self) -> DistContext | None:

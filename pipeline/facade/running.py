@@ -52,13 +52,15 @@ def run_step(
     targets: Any,
 ) -> StepResult:
     """Run one step with the parameters' ``.grad`` cleared, then add the gradients it produced
-    to those from before; if the step fails, ``.grad`` is put back as it was."""
+    (unscaled first under fp16 loss scaling) to those from before; if the step fails, ``.grad``
+    is put back as it was."""
     params = [p for p in parameters if p.requires_grad]
     before = [p.grad for p in params]
     for p in params:
         p.grad = None
     try:
         result = executor.run_step(args, targets)
+        executor.precision.unscale_([p.grad for p in params if p.grad is not None])
     except BaseException:
         for p, g in zip(params, before, strict=True):
             p.grad = g

@@ -103,7 +103,8 @@ class Setup:
     def setup(self, args: tuple[Any, ...] | None) -> Planned:
         """Make the plan from one batch of inputs and give it to the executor."""
         with self.executor.setting_up():
-            planned = self.planner.make(args, self.executor.coordination)
+            with self.executor.precision.planning(self.executor.devices):
+                planned = self.planner.make(args, self.executor.coordination)
             self.load(planned)
         self.planned = planned
         return planned

@@ -148,6 +148,7 @@ class DistributedExecutor(Executor):
                 device=self.context.device,
                 loss_fn=self.loss_fn,
                 checkpoint_activations=self.checkpoint_activations,
+                precision=self.precision,
                 on_stage_done=self.grads.start,
                 statistics=statistics,
             )
@@ -206,6 +207,14 @@ class DistributedExecutor(Executor):
             )
         clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    def any_rank(self, flag: Tensor) -> Tensor:
+        """The maximum of `flag` over every process (all stages, all replicas)."""
+        flag = flag.to(self.context.device, torch.float32)
+        with self.context.guard("agreement on inf/NaN gradients"):
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+            self.context.wait_work(work, None, "the inf/NaN gradient check")
+        return flag
 
     # -- running ----------------------------------------------------------------------------------
 
