@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from partitioner.autocast import AutocastSpy
 from partitioner.exported import (
     export_flat,
     group_units,
@@ -33,6 +35,7 @@ DEFAULT_LEAF_SUFFIXES = ("Block", "Layer")
 
 
 METHODS = ("auto", "export", "fx")
+log = logging.getLogger("hybridpipe")
 
 
 class CaptureError(ValueError):
@@ -82,8 +85,10 @@ class _Tracer(fx.Tracer):
 
 def _trace(model: nn.Module, leaf_modules: tuple[type, ...] | None) -> fx.GraphModule:
     tracer = _Tracer(leaf_modules)
+    spy = AutocastSpy()
     try:
-        graph = tracer.trace(model)
+        with spy:
+            graph = tracer.trace(model)
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError, RuntimeError...)
         path, cls = tracer.stack[-1] if tracer.stack else ("", type(model).__name__)
         if path:
@@ -100,6 +105,9 @@ def _trace(model: nn.Module, leaf_modules: tuple[type, ...] | None) -> fx.GraphM
             f"{leaf}, or give a sequential model (an nn.Sequential, or sequential=True when "
             f"the model's forward applies its top-level children in order)"
         ) from exc
+    dropped = spy.dropped(type(model).__name__)
+    if dropped is not None:
+        raise CaptureError(dropped)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
@@ -345,6 +353,9 @@ def capture(
             hint = " Try method='fx'." if fronts == ["export"] else ""
             raise CaptureError("; then ".join(failures) + hint)
         gm, front = _sequential_graph_module(model), "sequential"
+    if front == "fx" and failures:
+        log.warning("hybridpipe: captured %s with torch.fx instead: %s", type(model).__name__,
+                    failures[0])
     if front != "export":
         if kwargs and front == "sequential":
             raise ValueError("a sequential model takes one positional input, not keywords")

@@ -22,6 +22,8 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
+from partitioner.autocast import retarget_autocast
+
 LeafRule = Callable[[nn.Module], bool]
 
 
@@ -168,6 +170,7 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> None:
         if isinstance(current, torch.device) and current != device:
             node.update_kwarg("device", device)
             changed = True
+        changed = retarget_autocast(node, device) or changed
     if changed:
         gm.recompile()
 
