@@ -12,6 +12,10 @@ from torch import Tensor, nn
 from pipeline import checkpoint
 from pipeline.execution.executor import Executor
 
+# The fp16 loss scaler's state rides in a checkpoint's extra under this key (the same scale on
+# every process, so the one copy rank 0 writes is everyone's).
+SCALER_KEY = "__hybridpipe_loss_scaler__"
+
 
 class ModelState:
     """State dicts and checkpoints of `module` as split across `executor`'s stages."""
@@ -39,6 +43,9 @@ class ModelState:
     def save_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None, extra: Any
     ) -> None:
+        scaler = self.executor.precision.scaler
+        if scaler is not None:
+            extra = {SCALER_KEY: scaler.state_dict(), "extra": extra}
         checkpoint.save_checkpoint(
             path, self.held(), self.spec, self.executor.context, optimizer=optimizer,
             model=self.module, extra=extra,
@@ -51,4 +58,9 @@ class ModelState:
             path, self.held(), self.spec, optimizer=optimizer, model=self.module,
         )
         self.executor.reload()
+        if isinstance(extra, dict) and SCALER_KEY in extra:
+            scaler = self.executor.precision.scaler
+            if scaler is not None:
+                scaler.load_state_dict(extra[SCALER_KEY])
+            return extra["extra"]
         return extra
