@@ -1,9 +1,10 @@
 """A memoizing stand-in for `pipeline.planning.planner.capture`, for tests that build many
 Pipelines on one model object: torch.export takes seconds a call (resnet18 ~2 s, GPT-2 more
 under four processes), so the first call per (model object, input structure, options, leaf
-shapes and dtypes) captures for real and every later one gets a copy of that graph (a networkx
-copy, so attributes written by profiling cannot leak from one Pipeline into the next). The graph
-reads the model's own parameters, which is why the key is the model object, not its class."""
+shapes and dtypes, autocast dtype) captures for real and every later one gets a copy of that
+graph (a networkx copy, so attributes written by profiling cannot leak from one Pipeline into
+the next). The graph reads the model's own parameters, which is why the key is the model
+object, not its class."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def memo_capture() -> Capture:
                 **options: Any) -> nx.DiGraph:
         leaves = tree_leaves((args, kwargs))
         key = (id(model), str(tree_structure((args, kwargs))), repr(sorted(options.items())),
-               tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
+               tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves),
+               torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
         if key not in captured:
             captured[key] = partitioner.capture(model, args, kwargs, **options)
         return captured[key].copy()
