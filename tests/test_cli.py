@@ -161,8 +161,8 @@ def test_simulate_rejects_bad_arguments_naming_the_choices(
     assert err.startswith("argument --schedule: invalid choice: 'pipedream' (choose from ")
     assert all(name in err for name in names)
     assert refused(capsys, "simulate", "--compare", "gpipe,zb-h9") == (
-        f"argument --compare: unknown schedule(s) ['zb-h9']; choose from {', '.join(names)} "
-        "(comma-separated) or 'all'"
+        f"argument --compare: unknown schedule(s) ['zb-h9']; choose from {', '.join(names)}, "
+        "synth (comma-separated) or 'all'"
     )
     assert refused(capsys, "simulate", "--ranks", "0") == (
         "argument --ranks: expected a whole number >= 1, got 0"

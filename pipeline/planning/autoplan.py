@@ -34,9 +34,9 @@ from typing import Any
 
 import networkx as nx
 
-from pipeline.planning.costs import StageCosts, costs_for_stages, predict_summary
+from pipeline.planning.costs import StageCosts, costs_for_stages, predict, predict_summary
 from pipeline.planning.synthesis import OPTIMIZER_FACTOR, SYNTH, inflight_limits, synthesized
-from scheduler import SCHEDULES, Schedule, build_schedule
+from scheduler import SCHEDULES, Schedule, Timeline, build_schedule
 from scheduler.simulate import peak_held
 
 
@@ -273,8 +273,9 @@ def search(
                     simulated += 1
                     _offer(heap, keep, candidate, simulated)
     if SYNTH in names and synthesized_configs > 0:
+        # One rank runs its actions back to back in any order: nothing to search there.
         configs = list(dict.fromkeys((c.pp, c.microbatches, c.virtual_stages) for _, _, c in
-                                     sorted(heap, key=lambda e: (-e[0], e[1]))))
+                                     sorted(heap, key=lambda e: (-e[0], e[1])) if c.pp > 1))
         for p, m, v in configs[:synthesized_configs]:
             dp = world_size // p
             base = costs_cache.get(p * v) or costs_for_stages(graph, p * v)
@@ -300,6 +301,19 @@ def search(
         seconds=time.perf_counter() - started,
         notes=notes,
     )
+
+
+def predicted(
+    graph: nx.DiGraph, candidate: Candidate, batch_size: int, profiled_batch: int, *,
+    latency: float = 0.0, overhead: float = 0.0,
+) -> tuple[Schedule, Timeline]:
+    """A candidate's schedule (its `built` one, or the generator's) and its predicted pipeline
+    Timeline, from the costs `search` used (memory curve in activation bytes)."""
+    p, m, v = candidate.pp, candidate.microbatches, candidate.virtual_stages
+    schedule = candidate.built or build_schedule(candidate.schedule, p, m, v)
+    factor = batch_size / candidate.dp / m / profiled_batch
+    costs = _scaled(costs_for_stages(graph, schedule.num_stages), factor)
+    return schedule, predict(schedule, costs, latency=latency, overhead=overhead)
 
 
 def _offer(heap: list[tuple[float, int, Candidate]], keep: int, candidate: Candidate,

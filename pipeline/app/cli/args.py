@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.planning.synthesis import SYNTH
 from scheduler import SCHEDULES
 
 DTYPES = ("float32", "float64", "int64")
@@ -32,12 +33,14 @@ def positive_int(text: str) -> int:
 
 
 def schedule_names(text: str) -> list[str]:
+    """Comma-separated schedule names ('synth': synthesised from the costs), or 'all' (every
+    generator)."""
     names = sorted(SCHEDULES) if text == "all" else [n.strip() for n in text.split(",") if n]
-    unknown = [n for n in names if n not in SCHEDULES]
+    unknown = [n for n in names if n not in SCHEDULES and n != SYNTH]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown schedule(s) {unknown or [text]}; choose from {', '.join(sorted(SCHEDULES))}"
-            " (comma-separated) or 'all'"
+            f", {SYNTH} (comma-separated) or 'all'"
         )
     return names
 

@@ -47,7 +47,9 @@ def add(subparsers: Any) -> None:
             "devices and print them ranked by predicted step time, with bubble and peak\n"
             "memory per rank (parameters x optimizer factor + held activations); candidates\n"
             "over --memory-limit are dropped. Writes the ranked list as JSON (--json).\n"
-            "Model: see pipeline.planning.autoplan (microbatch costs scale linearly with samples)."
+            "Model: see pipeline.planning.autoplan (microbatch costs scale linearly with\n"
+            "samples). 'synth' rows are schedules synthesised for those costs\n"
+            "(scheduler.synthesize); the best candidate's schedule is printed when it is one."
         ),
         epilog=(
             "examples:\n"
@@ -91,6 +93,11 @@ def add(subparsers: Any) -> None:
         "--json", type=Path, default=Path("autoplan.json"), metavar="PATH",
         help="where to write the ranked candidates",
     )
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="DIR",
+        help="write the best candidate's schedule text, predicted timeline, memory plot and "
+        "Chrome trace here",
+    )
     parser.set_defaults(run=_run_plan, parser=parser)
 
 
@@ -118,5 +125,28 @@ def _run_plan(args: argparse.Namespace) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     print(f"wrote {args.json}")
-    result.best  # noqa: B018 - raises the explanatory error when nothing fits
+    best = result.best  # raises the explanatory error when nothing fits
+    if best.built is not None:
+        print(f"best schedule ({best.schedule}, pp={best.pp}, m={best.microbatches}), one line "
+              f"per rank:\n{best.built.to_text()}")
+    if args.out is not None:
+        _draw(args, graph, best, profiled_batch, result.batch_size)
     return 0
+
+
+def _draw(args: argparse.Namespace, graph: Any, best: Any, profiled_batch: int,
+          batch_size: int) -> None:
+    """The best candidate's schedule text, predicted timeline, memory plot and trace."""
+    from pipeline.planning.autoplan import predicted
+    from viz import plot_memory, plot_timeline, to_chrome_trace
+
+    schedule, timeline = predicted(graph, best, batch_size, profiled_batch,
+                                   latency=args.latency)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    name = schedule.name
+    (out / f"schedule_{name}.txt").write_text(schedule.to_text() + "\n")
+    plot_timeline(timeline, out / f"timeline_{name}.png")
+    plot_memory(timeline, out / f"memory_{name}.png")
+    to_chrome_trace(timeline, out / f"trace_{name}.json")
+    print(f"wrote the best candidate's schedule, timeline, memory plot and trace to {out}/")

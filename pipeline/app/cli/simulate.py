@@ -1,5 +1,6 @@
 """`hybridpipe simulate`: compare schedules on a cost model (step time, bubble, memory) and
-draw their timelines, memory plots and Chrome traces."""
+draw their timelines, memory plots and Chrome traces; 'synth' is a schedule synthesised for
+the given costs under --memory-limit (scheduler.synthesize)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.app.cli.args import Formatter, positive_int, schedule_names
+from pipeline.planning.synthesis import SYNTH
 from scheduler import (
     SCHEDULES,
     Schedule,
@@ -19,6 +21,7 @@ from scheduler import (
     build_schedule,
     rank_costs_to_stages,
     simulate,
+    synthesize,
 )
 
 
@@ -51,12 +54,15 @@ def add(subparsers: Any) -> None:
             "  hybridpipe simulate --schedule 1f1b --ranks 4 --microbatches 8 --out out/sim\n"
             "  hybridpipe simulate --compare gpipe,1f1b,zb-h1,zb-h2 --forward 1 --backward 1 "
             "--weight 1\n"
-            "  hybridpipe simulate --schedule interleaved-1f1b --virtual-stages 2 --comm 0.1"
+            "  hybridpipe simulate --schedule interleaved-1f1b --virtual-stages 2 --comm 0.1\n"
+            "  hybridpipe simulate --schedule synth --compare zb-h1,zb-h2 --forward 2,1,1,3 "
+            "--backward 3,2,2,5 --weight 1 --memory-limit 4 --out out/synth"
         ),
         formatter_class=Formatter,
     )
     parser.add_argument(
-        "--schedule", default="1f1b", choices=sorted(SCHEDULES), help="schedule to simulate"
+        "--schedule", default="1f1b", choices=[*sorted(SCHEDULES), SYNTH],
+        help="schedule to simulate ('synth': searched for these costs, see --memory-limit)",
     )
     parser.add_argument(
         "--compare",
@@ -102,6 +108,11 @@ def add(subparsers: Any) -> None:
         "--comm", type=float, default=0.0, metavar="COST", help="latency of a cross-rank transfer"
     )
     parser.add_argument(
+        "--memory-limit", type=positive_int, default=None, metavar="N",
+        help="for 'synth': the most (stage, microbatch) activations a rank may hold (default: "
+        "ranks x virtual stages, what 1F1B and ZB-H1 hold on rank 0)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, metavar="DIR", help="write pictures and traces here"
     )
     parser.set_defaults(run=_run_simulate, parser=parser)
@@ -119,7 +130,10 @@ def _simulate_all(args: argparse.Namespace) -> tuple[list[_Simulated], list[str]
     results, notes = [], []
     for name in names:
         try:
-            schedule = build_schedule(name, args.ranks, args.microbatches, args.virtual_stages)
+            schedule = (
+                _synthesized(args) if name == SYNTH
+                else build_schedule(name, args.ranks, args.microbatches, args.virtual_stages)
+            )
         except ValueError:
             # In a comparison, --virtual-stages is meant for the multi-chunk schedules; a
             # schedule that cannot take it runs with its own default (and the table says so).
@@ -141,6 +155,31 @@ def _simulate_all(args: argparse.Namespace) -> tuple[list[_Simulated], list[str]
         )
         results.append(_Simulated(schedule, timeline))
     return results, notes
+
+
+def _synthesized(args: argparse.Namespace) -> Schedule:
+    """The schedule synthesised for the command's costs (per-stage or per-rank with one
+    stage per rank: a rank's costs are split over its stages once the placement is chosen,
+    which the synthesis searches)."""
+    v = args.virtual_stages or 1
+    n = args.ranks * v
+
+    def per_stage(cost: float | list[float], what: str) -> float | list[float]:
+        if isinstance(cost, float):
+            return cost / v
+        if len(cost) != n:
+            raise ValueError(
+                f"{what} has {len(cost)} values; 'synth' with {v} virtual stages per rank "
+                f"needs one number or one per stage ({n})"
+            )
+        return cost
+
+    limit = args.memory_limit if args.memory_limit is not None else args.ranks * v
+    return synthesize(
+        args.ranks, args.microbatches, per_stage(args.forward, "--forward"),
+        per_stage(args.backward, "--backward"), per_stage(args.weight, "--weight"),
+        args.comm, memory_limit=limit, virtual_stages=v,
+    )
 
 
 def _simulate_table(results: Sequence[_Simulated]) -> str:
