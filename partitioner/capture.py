@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import logging
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import networkx as nx
@@ -19,7 +19,6 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from partitioner.autocast import AutocastSpy
 from partitioner.exported import (
     export_flat,
     group_units,
@@ -27,103 +26,39 @@ from partitioner.exported import (
     non_persistent_buffers,
     unit_module,
 )
+from partitioner.inputs import (
+    call_structure,
+    check_inputs,
+    check_mode,
+    input_dims,
+    mode_sensitive,
+    modes,
+)
 from partitioner.sandbox import sandbox
+from partitioner.traced import (
+    CaptureError,
+    bind_kwargs,
+    fx_units,
+    is_default_leaf,
+    leaf_rule,
+    sequential_graph_module,
+    trace,
+)
 
-# Blocks kept whole by default: repeated units whose insides are never worth cutting through.
-DEFAULT_LEAF_NAMES = ("BasicBlock", "Bottleneck", "InvertedResidual", "EncoderBlock")
-DEFAULT_LEAF_SUFFIXES = ("Block", "Layer")
-
+__all__ = [
+    "METHODS",
+    "CaptureError",
+    "aliases",
+    "call_structure",
+    "capture",
+    "check_inputs",
+    "check_mode",
+    "is_default_leaf",
+    "nbytes",
+]
 
 METHODS = ("auto", "export", "fx")
 log = logging.getLogger("hybridpipe")
-
-
-class CaptureError(ValueError):
-    """Neither torch.export nor torch.fx could capture the model (and it is not sequential)."""
-
-
-def is_default_leaf(module: nn.Module) -> bool:
-    """The default leaf rule: torch.nn's own modules (as fx does), nn.MultiheadAttention, and
-    blocks named like transformer/residual units (class name ending in Block or Layer, or one of
-    torchvision's BasicBlock, Bottleneck, InvertedResidual, EncoderBlock)."""
-    if isinstance(module, nn.Sequential | nn.ModuleList | nn.ModuleDict):
-        return False
-    name = type(module).__name__
-    if name in DEFAULT_LEAF_NAMES or name.endswith(DEFAULT_LEAF_SUFFIXES):
-        return True
-    return isinstance(module, nn.MultiheadAttention) or type(module).__module__.startswith(
-        ("torch.nn", "torch.ao.nn")
-    )
-
-
-class _Tracer(fx.Tracer):
-    """fx tracer with our leaf rule, remembering which module it is inside so a failure can be
-    reported against that module."""
-
-    def __init__(self, leaf_modules: tuple[type, ...] | None) -> None:
-        super().__init__()
-        self.leaf_types = leaf_modules
-        self.stack: list[tuple[str, str]] = []
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if self.leaf_types is None:
-            return is_default_leaf(m)
-        # An explicit tuple replaces the name rule: torch.nn's own modules plus these types.
-        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(
-        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        path = self.path_of_module(m)
-        if self.is_leaf_module(m, path):
-            return super().call_module(m, forward, args, kwargs)
-        self.stack.append((path, type(m).__name__))
-        result = super().call_module(m, forward, args, kwargs)
-        self.stack.pop()
-        return result
-
-
-def _trace(model: nn.Module, leaf_modules: tuple[type, ...] | None) -> fx.GraphModule:
-    tracer = _Tracer(leaf_modules)
-    spy = AutocastSpy()
-    try:
-        with spy:
-            graph = tracer.trace(model)
-    except Exception as exc:  # fx raises many kinds (TraceError, TypeError, RuntimeError...)
-        path, cls = tracer.stack[-1] if tracer.stack else ("", type(model).__name__)
-        if path:
-            where = f"module '{path}' ({cls})"
-            leaf = f"keep that module whole by passing leaf_modules=({cls},) to capture/Pipeline"
-        else:
-            where = f"the model's own forward ({cls})"
-            leaf = (
-                "move the untraceable code into a submodule and pass its class in leaf_modules "
-                "to capture/Pipeline"
-            )
-        raise CaptureError(
-            f"torch.fx could not trace {where}: {type(exc).__name__}: {exc}. Two ways out: "
-            f"{leaf}, or give a sequential model (an nn.Sequential, or sequential=True when "
-            f"the model's forward applies its top-level children in order)"
-        ) from exc
-    dropped = spy.dropped(type(model).__name__)
-    if dropped is not None:
-        raise CaptureError(dropped)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
-
-
-def _sequential_graph_module(model: nn.Module) -> fx.GraphModule:
-    """The chain model -> child0 -> child1 -> ... as an fx graph, without tracing anything."""
-    children = list(model.named_children())
-    if not children:
-        raise ValueError(
-            f"sequential=True needs a model with child modules; {type(model).__name__} has none"
-        )
-    graph = fx.Graph()
-    value: fx.Node = graph.placeholder("input")
-    for name, _ in children:
-        value = graph.call_module(name, (value,))
-    graph.output(value)
-    return fx.GraphModule(model, graph, type(model).__name__)
 
 
 def _flat_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -172,41 +107,6 @@ def _unit_bases(
                 whole = len(members) > 1
         bases.append(key.replace(".", "_").replace("@", "_") if whole else members[0])
     return bases
-
-
-def _fx_units(gm: fx.GraphModule) -> list[tuple[str, list[str]]]:
-    """fx nodes are units of their own (get_attr nodes are re-read where used)."""
-    units = []
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr"):
-            continue
-        path = str(n.target) if n.op == "call_module" else None
-        if path is None and n.meta.get("nn_module_stack"):
-            path = str(list(n.meta["nn_module_stack"].values())[-1][0])
-        units.append((path or "", [n.name]))
-    return units
-
-
-def _bind_kwargs(gm: fx.GraphModule, nargs: int, kwargs: dict[str, Any]) -> None:
-    """Reorder a traced graph's placeholders to the flat order of (args, kwargs): the
-    positional ones, then the given keywords in their order, then the rest (defaults)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    by_name = {str(n.target): n for n in placeholders}
-    unknown = [k for k in kwargs if k not in by_name]
-    if unknown:
-        raise ValueError(
-            f"input keys {unknown} are not arguments of the model's forward "
-            f"{list(by_name)}; use its argument names as keys"
-        )
-    given = placeholders[:nargs] + [by_name[k] for k in kwargs]
-    if any(n in placeholders[:nargs] for n in given[nargs:]):
-        raise ValueError(f"input keys {sorted(kwargs)} repeat positional arguments")
-    order = given + [n for n in placeholders if n not in given]
-    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    for n in order:
-        anchor.prepend(n)
-    gm.graph.lint()
-    gm.recompile()
 
 
 def _unit_params(gm: fx.GraphModule, nodes: dict[str, fx.Node], members: list[str]) -> int:
@@ -320,10 +220,10 @@ def capture(
     non_persistent = non_persistent_buffers(model)
     gm: fx.GraphModule | None = None
     units: list[tuple[str, list[str]]] = []
-    rule = is_default_leaf if leaf_modules is None else _leaf_rule(leaf_modules)
+    rule = is_default_leaf if leaf_modules is None else leaf_rule(leaf_modules)
     front = "sequential"
     if sequential:
-        gm = _sequential_graph_module(model)
+        gm = sequential_graph_module(model)
         fronts: list[str] = []
     elif method == "auto":
         # Explicit leaf modules are fx's idea (called whole, their Python run as written).
@@ -340,7 +240,7 @@ def capture(
                 non_persistent = exported.non_persistent
                 units = group_units(gm, model, rule)
             else:
-                gm = _trace(model, leaf_modules)
+                gm = trace(model, leaf_modules)
             break
         except CaptureError as exc:
             failures.append(str(exc))
@@ -352,15 +252,15 @@ def capture(
         if not isinstance(model, nn.Sequential):
             hint = " Try method='fx'." if fronts == ["export"] else ""
             raise CaptureError("; then ".join(failures) + hint)
-        gm, front = _sequential_graph_module(model), "sequential"
+        gm, front = sequential_graph_module(model), "sequential"
     if front == "fx" and failures:
         log.warning("hybridpipe: captured %s with torch.fx instead: %s", type(model).__name__,
                     failures[0])
     if front != "export":
         if kwargs and front == "sequential":
             raise ValueError("a sequential model takes one positional input, not keywords")
-        _bind_kwargs(gm, len(example_inputs), kwargs)
-        units = _fx_units(gm)
+        bind_kwargs(gm, len(example_inputs), kwargs)
+        units = fx_units(gm)
     flat = tree_flatten((example_inputs, kwargs))[0]
     recorder = _Recorder(gm)
     with sandbox(model), torch.no_grad():
@@ -382,22 +282,6 @@ def _check_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:
         )
 
 
-def call_structure(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The (args, kwargs) a batch stands for: a tensor is the one positional argument, a
-    tuple/list the positional arguments, a dict the keyword arguments (e.g. input_ids,
-    attention_mask)."""
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    if isinstance(batch, tuple | list):
-        return tuple(batch), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    raise TypeError(
-        f"inputs must be a tensor, a tuple/list (positional arguments) or a dict (keyword "
-        f"arguments) of tensors, got {type(batch).__name__}"
-    )
-
-
 def aliases(model: nn.Module) -> dict[str, list[str]]:
     """For every parameter or buffer known under several names (tied weights), name ->
     all its names in the model."""
@@ -408,17 +292,6 @@ def aliases(model: nn.Module) -> dict[str, list[str]]:
     ):
         names.setdefault(id(t), []).append(name)
     return {n: group for group in names.values() if len(group) > 1 for n in group}
-
-
-def _leaf_rule(leaf_modules: tuple[type, ...]) -> Any:
-    # An explicit tuple replaces the name rule: torch.nn's own modules plus these types.
-    def rule(m: nn.Module) -> bool:
-        return isinstance(m, leaf_modules) or (
-            type(m).__module__.startswith(("torch.nn", "torch.ao.nn"))
-            and not isinstance(m, nn.Sequential | nn.ModuleList | nn.ModuleDict)
-        )
-
-    return rule
 
 
 def _build(
@@ -490,115 +363,12 @@ def _build(
         output=output.name,
         order=names,
         in_spec=in_spec,
-        input_dims=_input_dims(gm),
+        input_dims=input_dims(gm),
         ranges=ranges,
         non_persistent=non_persistent,
         aliases=aliases(model),
-        training=_modes(model) if front == "export" and _mode_sensitive(gm) else None,
+        training=modes(model) if front == "export" and mode_sensitive(gm) else None,
     )
     return graph
 
 
-def _modes(model: nn.Module) -> tuple[bool, ...]:
-    return tuple(m.training for m in model.modules())
-
-
-def _mode_sensitive(gm: fx.GraphModule) -> bool:
-    """Whether the exported graph holds ops whose train/eval behaviour it baked in: dropout
-    with p > 0, batch or instance norm."""
-    for n in gm.graph.nodes:
-        name = str(n.target)
-        if "dropout" in name and not (len(n.args) > 1 and n.args[1] == 0):
-            return True
-        if "batch_norm" in name or "instance_norm" in name:
-            return True
-    return False
-
-
-def check_mode(graph: nx.DiGraph) -> None:
-    """ValueError when the model's train/eval mode changed since an export capture that baked
-    it in (dropout, BatchNorm), instead of silently running the old mode."""
-    captured = graph.graph.get("training")
-    model = graph.graph["module"]
-    if captured is not None and _modes(model) != captured:
-        was = "train" if captured[0] else "eval"
-        raise ValueError(
-            f"{type(model).__name__} was captured in {was} mode and torch.export baked that "
-            f"mode into its dropout/normalisation ops, but its modules' modes changed since; "
-            f"build a Pipeline for each mode (e.g. one after model.eval()), or pass "
-            f"capture_method='fx'"
-        )
-
-
-def _input_dims(gm: fx.GraphModule) -> list[tuple[Any, ...] | None]:
-    """Per flat input: its dims as ints (static) or sympy expressions (dynamic); None for
-    inputs traced without shapes (fx)."""
-    dims: list[tuple[Any, ...] | None] = []
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        value = n.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            dims.append(None)
-            continue
-        dims.append(
-            tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
-        )
-    return dims
-
-
-def check_inputs(graph: nx.DiGraph, leaves: Sequence[Any], what: str = "inputs") -> None:
-    """ValueError, before anything runs, when a microbatch's input shapes cannot run on the
-    captured graph: a static dim differs, or a dynamic one leaves its range or breaks an
-    equality the capture found (e.g. two inputs sharing a sequence length)."""
-    dims: list[tuple[Any, ...] | None] = graph.graph.get("input_dims", [])
-    names: list[str] = graph.graph["inputs"]
-    if len(leaves) != len(names):
-        raise ValueError(
-            f"{what} have {len(leaves)} tensors but the model was captured with {len(names)} "
-            f"({', '.join(names)}); give every batch the same inputs"
-        )
-    bound: dict[Any, int] = {}
-    exprs: list[tuple[str, int, Any, int]] = []
-    for name, want, t in zip(names, dims, leaves, strict=True):
-        if want is None or not isinstance(t, torch.Tensor):
-            continue
-        if t.dim() != len(want):
-            raise ValueError(
-                f"{what} {name!r} has {t.dim()} dims {tuple(t.shape)} but was captured with "
-                f"{len(want)}; give tensors of the captured rank"
-            )
-        for d, (w, got) in enumerate(zip(want, t.shape, strict=True)):
-            if isinstance(w, int):
-                if w != got:
-                    raise ValueError(
-                        f"{what} {name!r} has size {got} in dim {d} (shape {tuple(t.shape)}) but "
-                        f"the model was captured with {w} there, a size torch.export made "
-                        f"static (the model's code fixes it, or the example had size 1); build "
-                        f"the Pipeline with example_input of the shape you train with"
-                    )
-            elif getattr(w, "is_Symbol", False):
-                if w in bound and bound[w] != got:
-                    raise ValueError(
-                        f"{what} {name!r} has size {got} in dim {d} but the capture found it "
-                        f"equal to another input's size {bound[w]}; keep those sizes equal"
-                    )
-                bound[w] = int(got)
-                low, high = graph.graph["ranges"].get(w, (0, float("inf")))
-                # export assumes dynamic sizes >= 2 (it specialises 0 and 1); the graph's ops
-                # are the same for 1, so only a bound the model's code set is enforced.
-                if not (1 if low == 2 else low) <= got <= high:
-                    raise ValueError(
-                        f"{what} {name!r} has size {got} in dim {d}; the captured model allows "
-                        f"{low}..{high} there"
-                    )
-            else:
-                exprs.append((name, d, w, int(got)))
-    for name, d, w, got in exprs:
-        value = w.subs(bound)
-        if value.is_number and int(value) != got:
-            raise ValueError(
-                f"{what} {name!r} has size {got} in dim {d}; the captured model needs {value} "
-                "there (torch.export fixed it from the example and the model's code); build the "
-                "Pipeline with example_input of the shape you train with"
-            )
