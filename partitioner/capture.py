@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import networkx as nx
@@ -173,16 +173,20 @@ def capture(
     leaf_modules: tuple[type, ...] | None = None,
     sequential: bool = False,
     method: str = "auto",
+    dynamic_dims: Collection[tuple[int, int]] = (),
 ) -> nx.DiGraph:
     """Capture `model` called as ``model(*example_inputs, **example_kwargs)`` as a DiGraph of
     units in execution order.
 
-    method "export" exports it with torch.export (non-strict, every input dim dynamic where
-    the model allows) and groups the aten nodes into units by module: the ops of one leaf
-    module call (see `is_default_leaf`, or `leaf_modules`) form a unit, and so does each run of
-    other ops of one module. "fx" traces it with torch.fx (one unit per fx node, leaf modules
-    called whole, their Python run as written). "auto" (default) tries export, then fx (fx
-    first when `leaf_modules` is given), and raises CaptureError naming each failure.
+    method "export" exports it with torch.export (non-strict; dim 0, the batch, of every
+    input dynamic where the model allows, and the (flat input index, dim) pairs of
+    `dynamic_dims`; every other dim static: see graph.graph["input_dims"]) and groups the aten
+    nodes into units by module call: the ops of one leaf module call (see `is_default_leaf`,
+    or `leaf_modules`) form a unit, and so does each run of other ops of one module call; a
+    module called several times (a shared layer) gives one unit per call. "fx" traces it
+    with torch.fx (one unit per fx node, leaf modules called whole, their Python run as
+    written). "auto" (default) tries export, then fx (fx first when `leaf_modules` is
+    given), and raises CaptureError naming each failure.
     `sequential=True` (or an nn.Sequential nothing else captures) takes the top-level
     children as a chain.
 
@@ -193,7 +197,8 @@ def capture(
     graph.graph["output"]. Unit attrs: name, op (call_module for a module's unit, as fx's for
     its nodes), target (the module's path, as fx's call_module, or the first op), module
     (path), members (flat node names), shape, dtype, bytes and tensor (of the values it hands
-    on; shape/dtype of the last), param_bytes, index (position in the order). Edge attr:
+    on; shape/dtype of the last), param_bytes (of every parameter it reads, so a shared
+    layer's at each call), index (position in the order). Edge attr:
     bytes. graph.graph["unit_module"] runs unit by unit (for the profiler).
     The example run happens in a sandbox: parameters, buffers, .training and RNG are unchanged.
     """
@@ -235,7 +240,7 @@ def capture(
         try:
             if front == "export":
                 with _no_cache(model):
-                    exported = export_flat(model, example_inputs, kwargs)
+                    exported = export_flat(model, example_inputs, kwargs, dynamic_dims)
                 gm, in_spec, ranges = exported.gm, exported.in_spec, exported.ranges
                 non_persistent = exported.non_persistent
                 units = group_units(gm, model, rule)

@@ -1,6 +1,7 @@
-"""The torch.export front end of capture: export a model (non-strict, dynamic dims), turn the
-exported program into a flat fx graph over the model's own parameters and buffers, and group
-its aten nodes into units by module (`nn_module_stack`), so the partitioner sees blocks.
+"""The torch.export front end of capture: export a model (non-strict; the batch dim and the
+dims asked for dynamic), turn the exported program into a flat fx graph over the model's own
+parameters and buffers, and group its aten nodes into units by module call
+(`nn_module_stack`), so the partitioner sees blocks.
 
 The flat graph reads every parameter, buffer and constant with a `get_attr` at the model's own
 qualified name (tied parameters under each of their names), so a GraphModule built over it
@@ -12,7 +13,8 @@ after the new value is computed. Symbolic sizes (SymInt nodes) are never sent be
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +55,23 @@ class Exported:
     non_persistent: set[str]
 
 
-def _dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    def dims(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return {i: Dim.AUTO for i in range(t.dim())}
-        return tree_map(lambda _: None, t)
+def _dynamic_shapes(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Collection[tuple[int, int]]
+) -> tuple[Any, ...]:
+    """torch.export's dynamic_shapes: dim 0 (the batch) of every tensor, and the dims named in
+    `dynamic` as (flat input index, dim), are Dim.AUTO (dynamic unless the model fixes them);
+    every other dim is static. Marking every dim dynamic costs minutes on models that reshape
+    by their sizes (window partitioning in Swin or MaxViT), for dims that rarely change."""
+    count = itertools.count()
 
-    return tuple(dims(a) for a in args) + tuple(dims(v) for v in kwargs.values())
+    def spec(leaf: Any) -> Any:
+        index = next(count)
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        return {d: Dim.AUTO for d in range(leaf.dim()) if d == 0 or (index, d) in dynamic}
+
+    specs_args, specs_kwargs = tree_map(spec, (args, kwargs))
+    return tuple(specs_args) + tuple(specs_kwargs.values())
 
 
 def _model_tensors(model: nn.Module) -> dict[str, Any]:
@@ -77,12 +89,18 @@ def non_persistent_buffers(model: nn.Module) -> set[str]:
     return names
 
 
-def export_flat(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exported:
-    """torch.export.export(strict=False) with every input dim dynamic where the model allows
-    it, rebuilt as a flat fx graph over the model's own tensors (see the module docstring).
-    Raises whatever torch.export raises; capture() reports it."""
+def export_flat(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic: Collection[tuple[int, int]] = (),
+) -> Exported:
+    """torch.export.export(strict=False) with the batch dim and the `dynamic` (flat input,
+    dim) pairs dynamic where the model allows it (see `_dynamic_shapes`), rebuilt as a flat
+    fx graph over the model's own tensors (see the module docstring). Raises whatever
+    torch.export raises; capture() reports it."""
     ep = torch.export.export(
-        model, args, kwargs, dynamic_shapes=_dynamic_shapes(args, kwargs), strict=False
+        model, args, kwargs, dynamic_shapes=_dynamic_shapes(args, kwargs, dynamic), strict=False
     )
     sig = ep.graph_signature
     tensors = _model_tensors(model)
@@ -234,19 +252,25 @@ class SymLookup:
 
 
 def _unit_key(node: fx.Node, model: nn.Module, is_leaf: LeafRule) -> str:
-    """The outermost leaf module the node runs in, else the innermost module ('' = root)."""
+    """The outermost leaf module call the node runs in, else the innermost module call ('' =
+    root): the module's path, with torch.export's call count ("@1", "@2", ...) for a module
+    called more than once (ALBERT's shared layer, a loop over one block), so every call is a
+    unit of its own."""
     stack = node.meta.get("nn_module_stack") or {}
-    paths = [str(path) for path, _ in stack.values()]
-    for path in paths:
+    calls = []
+    for key, (path, _) in stack.items():
+        count = str(key).rpartition("@")[2] if "@" in str(key) else ""
+        calls.append((str(path), f"{path}@{count}" if count.isdigit() and path else str(path)))
+    for path, call in calls:
         if not path:
             continue
         try:
-            module = model.get_submodule(path.split("@")[0])
+            module = model.get_submodule(path)
         except AttributeError:
             continue
         if is_leaf(module):
-            return path
-    return paths[-1] if paths else ""
+            return call
+    return calls[-1][1] if calls else ""
 
 
 def group_units(
