@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -29,7 +29,10 @@ class Plan:
 
     Times are seconds; bytes are bytes. `stage_costs[k]` = (forward + backward) / speed + the
     transfer at both boundaries; `lower_bound` = max(total compute / total speed, heaviest node /
-    fastest speed); `bound_ratio` = max(stage_costs) / lower_bound; `imbalance` = max / mean."""
+    fastest speed); `bound_ratio` = max(stage_costs) / lower_bound; `imbalance` = max / mean.
+    `dynamic_dims`: the captured inputs' dynamic dims as "name[dim]" (torch.export; every other
+    dim is static; None for a torch.fx capture, which keeps no shapes). `shared`: unit -> the
+    identical unit (same ops and shapes) whose profiled measurement it reuses."""
 
     stages: list[list[str]]
     forward_times: list[float]
@@ -42,6 +45,8 @@ class Plan:
     bound_ratio: float
     lower_bound: float
     method: str
+    dynamic_dims: list[str] | None = None
+    shared: dict[str, str] = field(default_factory=dict)
 
     @property
     def sizes(self) -> list[int]:
@@ -74,6 +79,20 @@ class Plan:
             f"bottleneck {1e3 * self.bottleneck:.3f} ms, lower bound {1e3 * self.lower_bound:.3f}"
             f" ms, bound ratio {self.bound_ratio:.3f}, imbalance {self.imbalance:.3f}"
         )
+        if self.dynamic_dims is not None:
+            rows.append(
+                f"dynamic dims: {', '.join(self.dynamic_dims) or 'none'} (others static; a "
+                "later batch that changes one is captured again with it dynamic)"
+            )
+        if self.shared:
+            measured = sorted(set(self.shared.values()))
+            rows.append(
+                f"{len(self.shared)} units reuse the measurement of an identical unit: "
+                + "; ".join(
+                    f"{', '.join(u for u, m in self.shared.items() if m == first)} as {first}"
+                    for first in measured
+                )
+            )
         return "\n".join(rows)
 
 
@@ -251,7 +270,23 @@ def partition(
         bound_ratio=worst / lower if lower > 0 else 1.0,
         lower_bound=lower,
         method=method,
+        dynamic_dims=dynamic_dims(graph),
+        shared={v: graph.nodes[v]["measured_as"] for v in order if "measured_as" in graph.nodes[v]},
     )
+
+
+def dynamic_dims(graph: nx.DiGraph) -> list[str] | None:
+    """The captured inputs' dynamic dims as "name[dim]" (None when the capture kept no
+    shapes: torch.fx)."""
+    dims: list[tuple[Any, ...] | None] = graph.graph.get("input_dims", [])
+    if all(d is None for d in dims):
+        return None
+    return [
+        f"{name}[{k}]"
+        for name, want in zip(graph.graph["inputs"], dims, strict=True)
+        for k, size in enumerate(want or ())
+        if not isinstance(size, int)
+    ]
 
 
 def _check_balance(balance: object, n: int, p: int) -> list[int]:

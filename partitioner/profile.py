@@ -22,7 +22,7 @@ from typing import Any
 
 import networkx as nx
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from partitioner.exported import retarget
@@ -69,6 +69,46 @@ def _fresh(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
+def _describe(value: Any) -> str:
+    """A parameter, buffer, submodule or input by what its cost depends on, not its name."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype} {value.requires_grad} {value.device}"
+    if isinstance(value, nn.Module):
+        held = [_describe(t) for t in (*value.parameters(), *value.buffers())]
+        return f"{type(value).__qualname__} {value!r} {held}"
+    return repr(value) if isinstance(value, int | float | bool | str | None) else type(
+        value).__qualname__
+
+
+def signature(unit: nn.Module, inputs: Any) -> str:
+    """What a unit's cost depends on: its ops in order (each op's target, its arguments with
+    graph values by position and constants as written, each parameter, buffer or submodule
+    it reads by class and shapes) and the shapes and dtypes of the inputs it is given. Blocks
+    of one class with the same shapes (GPT-2's layers, ALBERT's shared layer at each call)
+    have the same signature, whatever their module paths: `profile` measures one of them."""
+    parts = [_describe(leaf) for leaf in tree_flatten(inputs)[0]]
+    if not isinstance(unit, fx.GraphModule):
+        return "\n".join([_describe(unit), *parts])
+    position: dict[str, str] = {}
+    for i, node in enumerate(unit.graph.nodes):
+        position[node.name] = f"%{i}"
+        if node.op in ("get_attr", "call_module"):
+            what = _describe(unit.get_submodule(str(node.target)) if node.op == "call_module"
+                             else _fetch(unit, str(node.target)))
+        else:
+            what = getattr(node.target, "__qualname__", None) or str(node.target)
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: position[a.name])
+        parts.append(f"{node.op} {what} {args}")
+    return "\n".join(parts)
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class _Profiler(fx.Interpreter):
     def __init__(
         self, gm: fx.GraphModule, clock: _Clock, repeats: int, warmup: int, progress: Progress
@@ -81,7 +121,8 @@ class _Profiler(fx.Interpreter):
         self.total = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
         self.done = 0
         self.params = {p.data_ptr() for p in gm.parameters()}
-        self.results: dict[str, dict[str, float]] = {}
+        self.results: dict[str, dict[str, Any]] = {}
+        self.first: dict[str, str] = {}  # signature -> the unit measured for it
 
     def _median(self, fn: Callable[[], Any]) -> float:
         for _ in range(self.warmup):
@@ -95,8 +136,23 @@ class _Profiler(fx.Interpreter):
         run = getattr(self, n.op)
         with torch.no_grad():
             result = run(n.target, args, kwargs)
+        key = signature(self.fetch_attr(str(n.target)), (args, kwargs)) if (
+            n.op == "call_module") else None
+        first = self.first.get(key) if key is not None else None
+        if first is not None:  # an identical block (same ops, shapes) was measured already
+            self.results[n.name] = dict(self.results[first], measured_as=first)
+        else:
+            if key is not None:
+                self.first[key] = n.name
+            self.results[n.name] = self._measure(n, run, args, kwargs)
+        self.done += 1
+        self.progress(self.done, self.total, n.name)
+        return result
+
+    def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+        with torch.no_grad():
             forward = self._median(lambda: run(n.target, *_fresh((args, kwargs))))
-        stats = {
+        stats: dict[str, Any] = {
             "forward_time": forward,
             "backward_time": 0.0,
             "input_grad_time": 0.0,
@@ -104,10 +160,7 @@ class _Profiler(fx.Interpreter):
             "activation_bytes": 0.0,
         }
         stats.update(self._backward(n, run, args, kwargs))
-        self.results[n.name] = stats
-        self.done += 1
-        self.progress(self.done, self.total, n.name)
-        return result
+        return stats
 
     def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, float]:
         leaves: list[torch.Tensor] = []
