@@ -72,6 +72,10 @@ class Pipeline(ModuleLike):
     - ``leaf_modules``: module classes kept whole when capturing: one unit of the exported
       graph, or called whole by fx (see partitioner.capture).
     - ``capture_method``: "auto" (torch.export, falling back to torch.fx), "export" or "fx".
+    - ``dynamic_dims``: dims (besides dim 0, the batch) that torch.export keeps dynamic in
+      every input having them, e.g. ``(1,)`` for the sequence length; the others are captured
+      static, and a later batch that changes one is captured again with it dynamic (one
+      process only; under torchrun name the dims here). ``pipe.plan`` lists the dynamic dims.
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
     - ``rebalance``: after the third step, re-partition once from the measured stage costs if
       that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
@@ -129,6 +133,7 @@ class Pipeline(ModuleLike):
         data_parallel: int | None = None, timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None, rebalance: bool = False,
         capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
+        dynamic_dims: Sequence[int] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -147,7 +152,7 @@ class Pipeline(ModuleLike):
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
             leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
-            loss_fn=loss_fn,
+            loss_fn=loss_fn, dynamic_dims=dynamic_dims,
         )
         self._state = ModelState(model, self._executor)
         self._measure = Measurement(self._setup, self.stages, rebalance)

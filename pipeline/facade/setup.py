@@ -43,7 +43,7 @@ class Setup:
         *, schedule: str | os.PathLike[str] | Schedule, microbatches: int | str | None,
         virtual_stages: int | str | None, balance: str | Sequence[int],
         leaf_modules: tuple[type, ...] | None, memory_limit: float | None, capture_method: str,
-        loss_fn: LossFn | None,
+        loss_fn: LossFn | None, dynamic_dims: Sequence[int] = (),
     ) -> Setup:
         """The planner for these settings, once every process is checked to have built the
         same Pipeline (under torch.distributed; pipeline.planning.settings)."""
@@ -52,6 +52,7 @@ class Setup:
                 model, stages, schedule=schedule, microbatches=microbatches,
                 virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
                 memory_limit=memory_limit, capture_method=capture_method,
+                dynamic_dims=dynamic_dims,
             )
         ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(
@@ -120,7 +121,9 @@ class Setup:
 
     def check_inputs(self, planned: Planned, args: tuple[Any, ...]) -> None:
         """Fail before any tensor moves when a batch cannot run on the captured graph (a
-        static dim changed, or the train/eval mode an export baked in). A batch of shapes
+        static dim changed that the model fixes, or the train/eval mode an export baked in);
+        capture again, with that dim dynamic, when a batch changes a dim the capture made
+        static but the model does not fix (pipeline.planning.shapes). A batch of shapes
         already checked is not checked again (the check costs ~0.2 ms per microbatch)."""
         check_mode(planned.graph)
         shapes = (id(planned), tuple(
@@ -128,6 +131,11 @@ class Setup:
         ))
         if shapes in self._checked:
             return
+        with self.executor.setting_up():
+            recaptured = self.planner.recapture(planned, args, self.executor.coordination)
+            if recaptured is not None:
+                self.load(recaptured)
+                self.planned = planned = recaptured
         m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
         for mb in split_microbatches(args, m, "inputs"):
             check_inputs(planned.graph, mb)

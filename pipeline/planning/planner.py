@@ -23,11 +23,29 @@ import networkx as nx
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
-from partitioner import Plan, StageModule, capture, partition, profile, split_model
+from partitioner import (
+    CaptureError,
+    Plan,
+    StageModule,
+    capture,
+    partition,
+    profile,
+    split_model,
+)
 from pipeline.planning.autoplan import AutoPlan, search
 from pipeline.planning.costs import StageCosts, stage_costs
 from pipeline.planning.microbatch import batch_size, split_microbatches
 from pipeline.planning.settings import Settings, input_settings, schedule_setting
+from pipeline.planning.shapes import (
+    Pairs,
+    carry_over,
+    changed_static_dims,
+    check_dims,
+    describe,
+    pairs_for,
+    still_static,
+    with_dims,
+)
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
@@ -138,9 +156,15 @@ class Planner:
         leaf_modules: tuple[type, ...] | None,
         memory_limit: float | None = None,
         capture_method: str = "auto",
+        dynamic_dims: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.capture_method = capture_method
+        self.dynamic_dims = check_dims(dynamic_dims)
+        # (flat input, dim) pairs a later batch changed: captured dynamic from then on.
+        self.changed: Pairs = set()
+        self._fixed: Pairs = set()  # pairs the model's code keeps static
+        self._rows: tuple[Any, ...] = ()  # the flat inputs of the last capture
         # The pytree structure of (args, kwargs) whose leaves `make`'s flat inputs are.
         self.call_spec: TreeSpec | None = None
         self.ranks = ranks
@@ -261,15 +285,58 @@ class Planner:
             modules = split_model(graph, plan)
         return Planned(self.model, schedule, plan, graph, example, modules, costs)
 
-    def _capture(self, rows: tuple[Any, ...]) -> nx.DiGraph:
+    def _capture(self, rows: tuple[Any, ...], method: str | None = None) -> nx.DiGraph:
         """Capture the model called with the flat inputs `rows` (structure `call_spec`)."""
         if self.call_spec is None:
             raise RuntimeError("planning needs the inputs' structure (Pipeline._as_args)")
+        self._rows = rows
         call_args, call_kwargs = tree_unflatten(list(rows), self.call_spec)
         return capture(
             self.model, call_args, call_kwargs, leaf_modules=self.leaf_modules,
-            method=self.capture_method,
+            method=method or self.capture_method,
+            dynamic_dims=pairs_for(rows, self.dynamic_dims) | self.changed,
         )
+
+    def recapture(
+        self, planned: Planned, args: tuple[Any, ...], how: Coordination
+    ) -> Planned | None:
+        """A new Planned when the batch `args` changes a dim the capture made static (another
+        sequence length): the model captured again with that dim dynamic too (on the first
+        capture's inputs, which the model is known to run), keeping the plan and costs when
+        the units are the same (else re-partitioned). None when nothing changed, or the
+        model's code fixes the size (then `check_inputs` reports it)."""
+        m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
+        microbatches = split_microbatches(args, m, "inputs")
+        changed = changed_static_dims(planned.graph, microbatches) - self._fixed
+        if not changed:
+            return None
+        if not how.keeps_whole_model:
+            dims = sorted({d for _, d in changed})
+            raise ValueError(
+                f"this batch changes {describe(planned.graph, changed)}, a size the capture "
+                "made static; under torch.distributed each process holds only its stages, so "
+                f"the model cannot be captured again: build the Pipeline with dynamic_dims="
+                f"{tuple(dims)!r} (or give batches of the first batch's shape)"
+            )
+        self.changed |= changed
+        log.info("hybridpipe: capturing again with %s dynamic", describe(planned.graph, changed))
+        try:  # on the first capture's rows: the model runs on those
+            graph = self._capture(self._rows, method="export")
+        except CaptureError:
+            graph = None
+        self._fixed |= changed if graph is None else still_static(graph, changed)
+        if graph is None or self._fixed & changed:
+            self.changed -= self._fixed
+            return None
+        plan, costs = planned.plan, planned.costs
+        if not carry_over(planned.graph, graph):
+            if self.balance == "profile":
+                profile(graph, self.model, planned.example, device=how.device)
+            plan = partition(graph, planned.schedule.num_stages, self.balance)
+            costs = stage_costs(graph, plan) if self.balance == "profile" else None
+        plan = with_dims(plan, graph)
+        modules = split_model(graph, plan)
+        return Planned(self.model, planned.schedule, plan, graph, planned.example, modules, costs)
 
     def _choose(
         self, graph: nx.DiGraph, size: int, profiled_batch: int
