@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from partitioner import StageModule
 from pipeline.execution.grads import apply_input_grads
@@ -170,7 +171,14 @@ class Executor(ABC):
                 for a in split_microbatches(args, m, "inputs")
             ]
         outputs = self._run_forward(inputs)
-        return merge_microbatches(outputs) if self.holds_last_stage else None
+        if not self.holds_last_stage:
+            return None
+        # The last stage's process may not hold the inputs: the microbatches' row counts
+        # come from the outputs' batch dim when they have one (else equal shares).
+        rows = [_rows(out) for out in outputs]
+        total = sum(rows)
+        weights = [r / total for r in rows] if all(rows) else None
+        return merge_microbatches(outputs, weights)
 
     @abstractmethod
     def _run_step(
@@ -186,3 +194,10 @@ class Executor(ABC):
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         """Forward only; the model output per microbatch where the last stage runs. Keeps an
         autograd graph only when grad mode is enabled in the caller."""
+
+
+def _rows(output: Any) -> int:
+    """The batch dim of an output's first leaf that has one (0 when none has)."""
+    return next(
+        (int(t.shape[0]) for t in tree_leaves(output) if isinstance(t, Tensor) and t.dim()), 0
+    )

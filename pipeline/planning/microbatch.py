@@ -72,17 +72,46 @@ def microbatch_sizes(total: int, chunks: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(chunks)]
 
 
-def merge_microbatches(parts: Sequence[Batch]) -> Batch:
-    """Concatenate per-microbatch outputs along dim 0, keeping their structure."""
-    flat = [pytree.tree_flatten(p) for p in parts]
+def merge_microbatches(parts: Sequence[Batch], weights: Sequence[float] | None = None) -> Batch:
+    """Combine per-microbatch outputs into the whole batch's, keeping their structure:
+
+    - a leaf with a batch dim is concatenated along dim 0;
+    - a 0-dim floating-point leaf (a router's auxiliary loss, a mean) is combined as the step
+      combines losses: the sum of each microbatch's value times its share of the batch
+      (`weights`, default equal), which is the whole batch's value for a mean over rows;
+    - any other 0-dim leaf (a count, a flag) is stacked into a (microbatches,) tensor.
+
+    A leaf whose other dims differ between microbatches (rows of one microbatch scored against
+    each other, as CLIP's logits_per_image) cannot be concatenated: ValueError naming it."""
+    flat = [pytree.tree_flatten_with_path(p) for p in parts]
     spec = flat[0][1]
     for _, other in flat[1:]:
         if other != spec:
             raise TypeError(f"microbatch outputs differ in structure: {spec} vs {other}")
-    for leaf in flat[0][0]:
-        if not isinstance(leaf, Tensor):
-            raise TypeError(f"cannot merge outputs of type {type(leaf).__name__}")
-    merged = [torch.cat(list(column), dim=0) for column in zip(*(f[0] for f in flat), strict=True)]
+    shares = list(weights) if weights is not None else [1.0 / len(parts)] * len(parts)
+    merged = []
+    for column in zip(*(f[0] for f in flat), strict=True):
+        name = "output" + pytree.keystr(column[0][0])
+        values = [value for _, value in column]
+        if not all(isinstance(v, Tensor) for v in values):
+            raise TypeError(f"cannot merge {name} of type {type(values[0]).__name__}")
+        if values[0].dim() == 0:
+            if values[0].is_floating_point():
+                merged.append(sum((v * w for v, w in zip(values, shares, strict=True)),
+                                  torch.zeros_like(values[0])))
+            else:
+                merged.append(torch.stack(values))
+            continue
+        shapes = {tuple(v.shape[1:]) for v in values}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"{name} has per-microbatch shapes {[tuple(v.shape) for v in values]}: its "
+                "rows depend on the other rows of their microbatch (e.g. CLIP's "
+                "logits_per_image), so microbatches cannot be concatenated; call the pipeline "
+                "with microbatches dividing the batch evenly, or compute it from outputs made "
+                "row by row (CLIP's image_embeds and text_embeds)"
+            )
+        merged.append(torch.cat(values, dim=0))
     return pytree.tree_unflatten(merged, spec)
 
 
