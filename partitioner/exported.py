@@ -180,10 +180,20 @@ def mark_non_persistent(module: nn.Module, names: set[str]) -> None:
 
 
 def retarget(gm: fx.GraphModule, device: torch.device) -> None:
-    """torch.export writes the capture device into factory calls (arange(..., device=cpu)):
-    point them at `device`, where the module now runs, so it creates its tensors there."""
+    """torch.export writes the capture device into the graph: factory calls
+    (``arange(..., device=cpu)``) and moves (``aten.to.device(x, device(type='meta'), ...)``,
+    the device positional). Point every such device, keyword or positional, at `device`,
+    where the module now runs, so it creates and moves its tensors there."""
     changed = False
     for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = tuple(
+            device if isinstance(a, torch.device) and a != device else a for a in node.args
+        )
+        if args != node.args:
+            node.args = args
+            changed = True
         current = node.kwargs.get("device")
         if isinstance(current, torch.device) and current != device:
             node.update_kwarg("device", device)
