@@ -213,6 +213,8 @@ def partition(
                 f"node counts per stage"
             )
         method = balance
+        if balance == "profile" and graph.graph.get("costs") == "estimate":
+            method = "profile, estimated on meta: FLOPs + bytes"
         if balance == "profile" and not profiled:
             raise ValueError(
                 "balance='profile' needs forward/backward times on the graph: call "

@@ -218,6 +218,7 @@ def measured_node_costs(graph: nx.DiGraph, plan: Plan, measured: StageCosts) -> 
     forward and backward sums equal the measured ones: the profile's split of a stage among
     its nodes, the measurement's totals. Partition it to re-balance from measured costs."""
     scaled = graph.copy()
+    scaled.graph["costs"] = "measured"  # no longer an estimate (partitioner.estimate)
     for k, nodes in enumerate(plan.stages):
         f_prof = sum(graph.nodes[v].get("forward_time", 0.0) for v in nodes)
         b_prof = sum(graph.nodes[v].get("backward_time", 0.0) for v in nodes)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import networkx as nx
 import torch
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from partitioner import (
     CaptureError,
@@ -32,6 +32,7 @@ from partitioner import (
     profile,
     split_model,
 )
+from partitioner.estimate import estimate
 from pipeline.planning.autoplan import AutoPlan, search
 from pipeline.planning.costs import StageCosts, stage_costs
 from pipeline.planning.microbatch import batch_size, split_microbatches
@@ -124,6 +125,25 @@ def _load_custom(spec: object) -> Schedule | None:
     raise TypeError(
         f"schedule must be a name, a path or a scheduler.Schedule, got {type(spec).__name__}"
     )
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether the model was built on the meta device (any parameter or buffer there)."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _as_meta(value: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+def measure(graph: nx.DiGraph, model: torch.nn.Module, example: tuple[Any, ...],
+            device: torch.device) -> None:
+    """Profile the graph's nodes, or estimate them (FLOPs + bytes on meta,
+    partitioner.estimate) when the model is on the meta device."""
+    if on_meta(model):
+        estimate(graph, example, device=device)
+    else:
+        profile(graph, model, example, device=device)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -235,6 +255,8 @@ class Planner:
                     "the process that makes the plan (global rank 0, which holds stage 0) "
                     "needs a batch of inputs for the first step/forward (or example_input=...)"
                 )
+            if on_meta(self.model):  # capture and estimate on meta: nothing is allocated
+                args = _as_meta(args)
             size = batch_size(args, "inputs")
             m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
             example = tuple(split_microbatches(args, m, "inputs")[0])
@@ -242,7 +264,7 @@ class Planner:
             if self.auto:
                 with how.phase("auto-planning (capture and profiling of the model)"):
                     captured = self._capture(_capture_rows(args, example))
-                    profile(captured, self.model, example, device=how.device)
+                    measure(captured, self.model, example, how.device)
                     choice = self._choose(captured, size, batch_size(example, "inputs"))
                 if choice[1] == m:
                     profiled = (captured, example)  # reuse: same microbatch
@@ -273,7 +295,7 @@ class Planner:
         if how.leads:
             if self.balance == "profile" and profiled is None:
                 with how.phase("profiling of the model"):
-                    profile(graph, self.model, example, device=how.device)
+                    measure(graph, self.model, example, how.device)
             with how.phase("partitioning of the model"):
                 plan = partition(graph, schedule.num_stages, self.balance)
                 # Costs are measured by the leader while it still holds the whole model.
@@ -331,7 +353,7 @@ class Planner:
         plan, costs = planned.plan, planned.costs
         if not carry_over(planned.graph, graph):
             if self.balance == "profile":
-                profile(graph, self.model, planned.example, device=how.device)
+                measure(graph, self.model, planned.example, how.device)
             plan = partition(graph, planned.schedule.num_stages, self.balance)
             costs = stage_costs(graph, plan) if self.balance == "profile" else None
         plan = with_dims(plan, graph)
@@ -370,6 +392,6 @@ class Planner:
             )
         graph = planned.graph
         if not all("forward_time" in graph.nodes[v] for v in graph.graph["order"]):
-            profile(graph, self.model, planned.example, device=how.device)
+            measure(graph, self.model, planned.example, how.device)
         planned.costs = stage_costs(graph, planned.plan)
         return planned.costs

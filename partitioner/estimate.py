@@ -1,0 +1,158 @@
+"""Estimate a captured graph's costs without real tensors: run each unit on the meta device,
+count its FLOPs (torch.utils.flop_counter.FlopCounterMode) for the forward, the input-grad
+and the weight-grad walk, and the bytes it moves, and turn them into the seconds `profile`
+would measure (the same node attributes, so partitioning and stage costs read them alike).
+
+time = FLOPs / `flops_per_second` + bytes / `bytes_per_second`: matrix products are priced by
+their FLOPs, element-wise work (norms, activations, softmax; no FLOPs counted) by the bytes it
+reads and writes. The forward moves its inputs, outputs and parameters; B (input grad) moves
+them again; W (weight grad) its inputs and the weight grads. Only the ratio of the two rates
+matters for balance; the defaults are rough CPU and GPU figures. Measured steps refine it
+(`Pipeline.rebalance`, calibration)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+# (FLOP/s, bytes/s) per device type: the balance depends on their ratio only.
+RATES = {"cpu": (5e10, 1e10), "cuda": (2e14, 2e12)}
+
+
+def _bytes(value: Any) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
+    )
+
+
+def _flops(fn: Callable[[], Any]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def _meta(value: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+class _Estimator(fx.Interpreter):
+    """Runs the unit module on meta tensors, recording each unit's FLOPs and bytes."""
+
+    def __init__(self, gm: fx.GraphModule, rates: tuple[float, float]) -> None:
+        super().__init__(gm)
+        self.flop_rate, self.byte_rate = rates
+        self.results: dict[str, dict[str, float]] = {}
+
+    def seconds(self, flops: float, moved: float) -> float:
+        return flops / self.flop_rate + moved / self.byte_rate
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        run = getattr(self, n.op)
+        holder = []
+        with torch.no_grad():
+            forward = _flops(lambda: holder.append(run(n.target, args, kwargs)))
+        result = holder[0]
+        params: list[nn.Parameter] = []
+        if n.op == "call_module":
+            params = list(self.fetch_attr(str(n.target)).parameters())
+        moved = _bytes((args, kwargs)) + _bytes(result) + _bytes(params)
+        stats = {
+            "forward_time": self.seconds(forward, moved),
+            "backward_time": 0.0,
+            "input_grad_time": 0.0,
+            "weight_grad_time": 0.0,
+            "activation_bytes": 0.0,
+            "forward_flops": float(forward),
+        }
+        stats.update(self._backward(n, run, args, kwargs, params, moved))
+        self.results[n.name] = stats
+        return result
+
+    def _backward(
+        self, n: fx.Node, run: Any, args: Any, kwargs: Any, params: list[nn.Parameter],
+        moved: float,
+    ) -> dict[str, float]:
+        leaves: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = [p for p in params if p.requires_grad]
+        weight_ids = {id(p) for p in weights}
+
+        def as_leaf(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                leaf = t.detach().requires_grad_()
+                leaves.append(leaf)
+                return leaf.clone()
+            return t
+
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in weight_ids and not isinstance(t, nn.Parameter):
+                saved[id(t)] = t.numel() * t.element_size()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            a, kw = tree_map(as_leaf, (args, kwargs))
+            out = run(n.target, a, kw)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        stats: dict[str, float] = {"activation_bytes": float(sum(saved.values()))}
+        if not outs or not (leaves or weights):
+            return stats
+        grads = [torch.ones_like(t) for t in outs]
+
+        def grad_of(wrt: list[torch.Tensor]) -> Callable[[], Any]:
+            return lambda: torch.autograd.grad(
+                outs, wrt, grads, retain_graph=True, allow_unused=True
+            )
+
+        total = _flops(grad_of(leaves + weights))
+        input_flops = _flops(grad_of(leaves)) if leaves and weights else (total if leaves else 0)
+        input_flops = min(input_flops, total)
+        input_grad = self.seconds(input_flops, moved) if leaves else 0.0
+        weight_grad = self.seconds(total - input_flops, moved) if weights else 0.0
+        stats.update(
+            backward_time=input_grad + weight_grad, input_grad_time=input_grad,
+            weight_grad_time=weight_grad, backward_flops=float(total),
+        )
+        return stats
+
+
+def estimate(
+    graph: nx.DiGraph,
+    example_inputs: tuple[Any, ...],
+    *,
+    device: str | torch.device = "cpu",
+    rates: tuple[float, float] | None = None,
+) -> None:
+    """Add estimated forward_time, backward_time, input_grad_time, weight_grad_time (s),
+    activation_bytes, forward_flops and backward_flops to every node of a `capture`d graph,
+    running it on meta tensors (the model may be on meta: nothing is allocated). `rates`:
+    (FLOP/s, bytes/s), by default `RATES` for the device type. Marks the graph
+    ``graph.graph["costs"] = "estimate"``."""
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            f"example_inputs must be a tuple, got {type(example_inputs).__name__}; wrap as (x,)"
+        )
+    kind = torch.device(device).type
+    chosen = rates if rates is not None else RATES.get(kind, RATES["cpu"])
+    if min(chosen) <= 0:
+        raise ValueError(f"rates must be positive (FLOP/s, bytes/s), got {chosen!r}")
+    gm: fx.GraphModule = graph.graph["unit_module"]
+    if any(not p.is_meta for p in gm.parameters()):
+        raise ValueError(
+            "estimate runs on a model built on the meta device; profile a real model with "
+            "partitioner.profile instead"
+        )
+    estimator = _Estimator(gm, chosen)
+    estimator.run(*_meta(example_inputs))
+    for name, stats in estimator.results.items():
+        graph.nodes[name].update(stats)
+    graph.graph["costs"] = "estimate"
