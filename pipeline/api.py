@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from partitioner import Plan, StageModule
+from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
@@ -81,6 +82,14 @@ class Pipeline(ModuleLike):
       that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
       Off by default: it changes the stages mid-run on a few noisy measurements, so it is the
       user's call; ``pipe.rebalance()`` does it on demand.
+    - ``init_fn``: for a model built under ``torch.device("meta")``: once the plan is made,
+      each process materialises only its own stages on its device and initialises them:
+      "reset_parameters" (each module's own; a Hugging Face model's ``_init_weights``) or a
+      function called on each module owning a meta tensor, under an RNG seeded from
+      ``torch.initial_seed()`` (global rank 0's) and the module's name, so the weights do not
+      depend on the layout. Without it a meta model waits for ``load_state_dict`` /
+      ``load_checkpoint`` (what they lack, e.g. a rotary ``inv_freq``, comes from the modules'
+      init). A meta model is balanced by FLOPs + bytes estimated on meta (partitioner.estimate).
 
     Under torchrun (torch.distributed initialised) the same call runs one pipeline rank per
     process with ``data_parallel`` (default world_size // stages) replicas; see
@@ -97,7 +106,10 @@ class Pipeline(ModuleLike):
     microbatch m (n_m samples of n), so with a mean-reduced loss the summed gradients equal
     those of ``loss_fn(model(x), y)`` on the whole batch, also when the batch does not divide
     evenly. Gradients accumulate into ``.grad`` like ``loss.backward()``; if a step fails, the
-    gradients it produced are discarded and ``.grad`` is left as before the step.
+    gradients it produced are discarded and ``.grad`` is left as before the step, except that
+    a step adding into an existing ``.grad`` (accumulation across steps without zero_grad)
+    adds in place, without a second copy, so a failure there may leave it partly added (the
+    error says so; see pipeline.execution.grads).
 
     Each executed action is labelled ``hybridpipe <stage><op><microbatch>`` (e.g. "1B3") with
     ``torch.profiler.record_function``; the actions run in worker threads, so profile with
@@ -133,7 +145,7 @@ class Pipeline(ModuleLike):
         data_parallel: int | None = None, timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None, rebalance: bool = False,
         capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
-        dynamic_dims: Sequence[int] = (),
+        dynamic_dims: Sequence[int] = (), init_fn: InitFn | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -148,13 +160,13 @@ class Pipeline(ModuleLike):
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout)
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision)
+        self._state = ModelState(model, self._executor, init_fn)
         self._setup = Setup.plan_for(
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
             leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
             loss_fn=loss_fn, dynamic_dims=dynamic_dims,
         )
-        self._state = ModelState(model, self._executor)
         self._measure = Measurement(self._setup, self.stages, rebalance)
         if example_input is not None:
             self._setup.setup(self._setup.as_args(example_input))
@@ -164,6 +176,7 @@ class Pipeline(ModuleLike):
         self._executor.load(
             planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
         )
+        self._state.initialise()
 
     @property
     def microbatches(self) -> int | None:

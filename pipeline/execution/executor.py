@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from partitioner import StageModule
 from pipeline.execution.grads import apply_input_grads
+from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.planning.microbatch import (
@@ -48,6 +49,7 @@ class Executor(ABC):
         self.loss_fn: LossFn | None = None
         self.checkpoint_activations = False
         self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
+        self.weights_checked = False  # no meta tensor held (checked before the first step)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -69,6 +71,40 @@ class Executor(ABC):
     def reload(self) -> None:
         """(Re)place the held stage modules on their devices and rebuild what runs them (after
         loading a state dict, which may give meta stages their tensors)."""
+
+    def materialize(self, init_fn: InitFn | str | None, seed: int) -> list[str]:
+        """Give the meta tensors of the stages held here storage on their devices and initial
+        values (pipeline.meta.materialize; the seed is global rank 0's), then reload. Returns
+        their names. Every process calls it."""
+        seed = self.coordination.agree("the initialisation seed", seed)
+        if self.planned is None:
+            raise RuntimeError("the executor has no plan yet; call load first")
+        held = sorted(self.held().items())
+        devices = [self.devices[self._schedule.placement[s]] for s, _ in held]
+        names = materialize(
+            self.planned.model, [m for _, m in held], devices, init_fn=init_fn, seed=seed
+        )
+        self.reload()
+        return names
+
+    def accumulates_in_place(self) -> set[int]:
+        """ids of the parameters whose existing `.grad` a step may add into in place: those
+        exactly one held stage trains (pipeline.execution.grads)."""
+        count: dict[int, int] = {}
+        for module in self.held().values():
+            for p in module.parameters():
+                count[id(p)] = count.get(id(p), 0) + 1
+        return {key for key, n in count.items() if n == 1}
+
+    def check_weights(self) -> None:
+        """Before the first step or forward after a (re)load: a ValueError naming any held
+        parameter or buffer still on the meta device and the fix."""
+        if self.weights_checked or self.planned is None:
+            return
+        names = meta_tensors(self.planned.model, self.held().values())
+        if names:
+            raise ValueError(meta_message(names, self.describe()))
+        self.weights_checked = True
 
     @abstractmethod
     def held(self) -> dict[int, StageModule]:
@@ -130,6 +166,7 @@ class Executor(ABC):
     def run_step(self, args: tuple[Any, ...] | None, targets: Any) -> StepResult:
         """Forward + backward of one batch: split into the schedule's microbatches (each
         microbatch's loss weighted by its share of the batch), placed and run."""
+        self.check_weights()
         m = self._schedule.num_microbatches
         first, last = self.holds_first_stage, self.holds_last_stage
         if first and args is None:
@@ -161,6 +198,7 @@ class Executor(ABC):
     def forward(self, args: tuple[Any, ...] | None) -> Any:
         """Forward only, in at most the schedule's microbatch count; the merged output where
         the last stage runs, else None."""
+        self.check_weights()
         inputs = None
         if self.holds_first_stage:
             if args is None:
@@ -200,4 +238,23 @@ def _rows(output: Any) -> int:
     """The batch dim of an output's first leaf that has one (0 when none has)."""
     return next(
         (int(t.shape[0]) for t in tree_leaves(output) if isinstance(t, Tensor) and t.dim()), 0
+    )
+
+
+def place(module: nn.Module, device: torch.device) -> None:
+    """Move a stage module to its device; one still holding meta tensors (a model built on the
+    meta device) stays until its weights are loaded or initialised."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to(device)
+
+
+def meta_message(names: Sequence[str], who: str) -> str:
+    """What a step on meta tensors says: which, and how to give them values."""
+    shown = ", ".join(names[:10]) + (f" ... and {len(names) - 10} more" if len(names) > 10 else "")
+    return (
+        f"{who} holds {len(names)} parameter(s)/buffer(s) still on the meta device: {shown}. "
+        "A model built under torch.device('meta') needs values first: "
+        "pipe.load_state_dict(torch.load(path, mmap=True)) or pipe.load_checkpoint(path), or "
+        "build the Pipeline with init_fn='reset_parameters' (or a function that initialises "
+        "a module, e.g. model._init_weights)"
     )

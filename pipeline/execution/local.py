@@ -21,7 +21,7 @@ from torch import Tensor
 from partitioner import StageModule
 from pipeline.execution import streams
 from pipeline.execution.cancel import CancelToken, PipelineAborted
-from pipeline.execution.executor import Executor
+from pipeline.execution.executor import Executor, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.program import RankResult, StepResult
 from pipeline.execution.runtime import RankRuntime
@@ -217,7 +217,8 @@ class LocalExecutor(Executor):
                 "rank"
             )
         for s, module in enumerate(planned.modules):
-            module.to(self.devices[schedule.placement[s]])
+            place(module, self.devices[schedule.placement[s]])
+        self.weights_checked = False
         self._build_runtimes()
 
     def _build_runtimes(self) -> None:

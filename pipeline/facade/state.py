@@ -1,5 +1,8 @@
-"""The model's state behind a Pipeline: the modules this process holds, and the whole-model
-state dict and checkpoints read from and written into them (pipeline.checkpoint)."""
+"""The model's state behind a Pipeline: the modules this process holds, the whole-model state
+dict and checkpoints read from and written into them (pipeline.checkpoint), and for a model
+built on the meta device, the initial values of the tensors this process holds
+(pipeline.execution.materialize): all of them from `init_fn`, or those a state dict or
+checkpoint lacks (non-persistent buffers) from the modules' own initialisation."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from torch import Tensor, nn
 
 from pipeline import checkpoint
 from pipeline.execution.executor import Executor
+from pipeline.execution.materialize import InitFn, materialize, resolve_init
+from pipeline.planning.planner import on_meta
 
 # The fp16 loss scaler's state rides in a checkpoint's extra under this key (the same scale on
 # every process, so the one copy rank 0 writes is everyone's).
@@ -18,12 +23,36 @@ SCALER_KEY = "__hybridpipe_loss_scaler__"
 
 
 class ModelState:
-    """State dicts and checkpoints of `module` as split across `executor`'s stages."""
+    """State dicts and checkpoints of `module` as split across `executor`'s stages, and the
+    initialisation of a model built on meta (`init_fn`: see pipeline.execution.materialize)."""
 
-    def __init__(self, module: nn.Module, executor: Executor) -> None:
+    def __init__(
+        self, module: nn.Module, executor: Executor, init_fn: InitFn | str | None = None
+    ) -> None:
         self.module = module
         self.executor = executor
         self.spec = checkpoint.model_spec(module)
+        self.built_on_meta = on_meta(module)
+        if init_fn is not None:
+            resolve_init(module, init_fn)  # a bad init_fn fails now, not at the first batch
+        self.init_fn = init_fn
+
+    def initialise(self) -> None:
+        """Once the executor holds its stages: a model built on meta with an `init_fn` gets
+        this process's stages initialised (every process calls it)."""
+        if self.built_on_meta and self.init_fn is not None:
+            self.executor.materialize(self.init_fn, torch.initial_seed())
+
+    def _fill(self) -> None:
+        """After loading into a model built on meta: what is still on meta (the non-persistent
+        buffers no state dict holds) from the modules' own init; then place the stages."""
+        if not self.built_on_meta:
+            self.executor.reload()
+        elif self.executor.planned is None:
+            materialize(self.module, [self.module], self.executor.devices[0],
+                        init_fn=self.init_fn, seed=torch.initial_seed())
+        else:
+            self.executor.materialize(self.init_fn, torch.initial_seed())
 
     def held(self) -> dict[int, nn.Module]:
         """The modules whose state this process holds: its stages, or the whole model before
@@ -38,7 +67,7 @@ class ModelState:
         checkpoint.load_state_dict(
             self.held(), state_dict, self.spec, strict=strict, model=self.module
         )
-        self.executor.reload()
+        self._fill()
 
     def save_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None, extra: Any
@@ -57,7 +86,7 @@ class ModelState:
         extra = checkpoint.load_checkpoint(
             path, self.held(), self.spec, optimizer=optimizer, model=self.module,
         )
-        self.executor.reload()
+        self._fill()
         if isinstance(extra, dict) and SCALER_KEY in extra:
             scaler = self.executor.precision.scaler
             if scaler is not None:

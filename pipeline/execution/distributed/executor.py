@@ -43,8 +43,9 @@ from pipeline.execution.distributed.p2p import MAX_MICROBATCHES, MAX_STAGES, P2P
 from pipeline.execution.distributed.step_agreement import StepAgreement
 from pipeline.execution.distributed.step_end import StepEnd
 from pipeline.execution.distributed.ties import TieSync, find_ties
-from pipeline.execution.executor import Executor
+from pipeline.execution.executor import Executor, meta_message, place
 from pipeline.execution.grads import running_statistics
+from pipeline.execution.materialize import meta_tensors
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.planner import Coordination, Planned
@@ -116,7 +117,9 @@ class DistributedExecutor(Executor):
         kept = {id(t) for m in self._mine.values() for t in (*m.parameters(), *m.buffers())}
         with torch.no_grad():
             for t in (*planned.model.parameters(), *planned.model.buffers()):
-                if id(t) not in kept:  # another process's stage: free its memory
+                # Another process's stage: free its memory (a meta tensor has none; it keeps
+                # its shape for the modules' init, pipeline.execution.materialize).
+                if id(t) not in kept and not t.is_meta:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         super().load(planned, loss_fn=loss_fn, checkpoint_activations=checkpoint_activations)
 
@@ -128,8 +131,8 @@ class DistributedExecutor(Executor):
             return
         with self.context.agreement.phase("building of the executor"):
             for module in self._mine.values():
-                if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-                    module.to(self.context.device)
+                place(module, self.context.device)
+            self.weights_checked = False
             self.grads = GradSync(
                 self.context,
                 {
@@ -156,10 +159,32 @@ class DistributedExecutor(Executor):
         self.context.mesh  # noqa: B018 - the process groups, made in this order everywhere
         sync_replicas(self.context, list(self._mine.values()))
         if self.ties is not None:
+            self.ties.rebind(self.planned.model)
             self.ties.start()
 
     def held(self) -> dict[int, StageModule]:
         return dict(self._mine)
+
+    def accumulates_in_place(self) -> set[int]:
+        """As `Executor`'s, less the parameters tied across pipeline ranks: their gradients
+        are summed over the copies after the step, which must see only the step's own."""
+        tied = {id(p) for p, _, _ in self.ties.mine} if self.ties is not None else set()
+        return super().accumulates_in_place() - tied
+
+    def check_weights(self) -> None:
+        """`Executor.check_weights` on every process at once: a process holding meta tensors
+        raises naming them and tells the others, which raise naming it (a setup sync point,
+        reached by every process at its first step after a (re)load: nothing waits for the
+        timeout and no tensor has moved)."""
+        if self.weights_checked or self.planned is None:
+            return
+        agreement = self.context.agreement
+        with agreement.phase("the check for meta tensors"):
+            names = meta_tensors(self.planned.model, self._mine.values())
+            if names:
+                raise ValueError(meta_message(names, self.layout.describe()))
+        agreement.sync("the check for meta tensors")
+        self.weights_checked = True
 
     @property
     def holds_first_stage(self) -> bool:

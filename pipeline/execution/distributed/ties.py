@@ -53,12 +53,21 @@ class TieSync:
         params = dict(model.named_parameters())
         layout = ctx.layout
         self.mine: list[tuple[nn.Parameter, Any, int]] = []  # (parameter, group, source)
+        self.names: list[str] = []
         for tie in ties:
             for replica in range(layout.data_parallel):
                 members = [layout.global_rank(pp, replica) for pp in tie.pp_ranks]
                 group = dist.new_group(members, timeout=ctx.wait)
                 if layout.rank in members:
                     self.mine.append((params[tie.name], group, members[0]))
+                    self.names.append(tie.name)
+
+    def rebind(self, model: nn.Module) -> None:
+        """Take the model's current Parameter objects (a meta model's were replaced when its
+        stages were loaded or initialised)."""
+        params = dict(model.named_parameters())
+        self.mine = [(params[name], group, src)
+                     for name, (_, group, src) in zip(self.names, self.mine, strict=True)]
 
     def copies(self) -> set[int]:
         """ids of the tied parameters whose copy on this process is not the lowest pipeline

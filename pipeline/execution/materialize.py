@@ -1,0 +1,220 @@
+"""Models built on the meta device: give the tensors a process holds real storage on its
+device and real values, from the modules' own initialisation, the same whatever the layout.
+
+`materialize` allocates only the held meta tensors (the other stages' stay on meta, costing
+nothing), fills floating ones with NaN, then runs the initialisation of every module that owns
+one (children before parents, as ``model.apply`` does), each under torch's RNG seeded from the
+seed and the module's qualified name: a parameter gets the same values at any pipeline layout,
+and in one process. A tensor the initialisation left (partly) unwritten is a ValueError naming
+it: never ``to_empty`` garbage. The new tensors replace the meta ones
+in the model and in the stage modules (which may hold them in containers of their own). Only the
+meta tensors are written: while a module's initialisation runs, its other tensors (loaded from
+a state dict already) are stood in for by meta ones, so filling the non-persistent buffers a
+checkpoint lacks (Hugging Face's rotary ``inv_freq``) leaves the loaded weights alone.
+
+`meta_tensors` names the meta tensors a process's stages still hold, for the check before a
+step (pipeline.execution.executor)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+InitFn = Callable[[nn.Module], Any]
+INIT_DEFAULT = "reset_parameters"
+
+
+def seed_for(seed: int, name: str) -> int:
+    """A 63-bit seed from the run's seed and a qualified name (SHA-256; stable everywhere)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _reset(module: nn.Module) -> None:
+    for method in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, method, None)
+        if callable(fn):
+            fn()
+            return
+
+
+def resolve_init(model: nn.Module, init_fn: InitFn | str | None) -> InitFn:
+    """The per-module initialiser: `init_fn` itself, or for "reset_parameters" (and None) each
+    module's ``reset_parameters()``; a Hugging Face model (one with ``_init_weights``, which
+    it applies per module itself) uses that, so its rotary ``inv_freq`` is computed too."""
+    if callable(init_fn):
+        return init_fn
+    if init_fn not in (None, INIT_DEFAULT):
+        raise ValueError(
+            f"init_fn={init_fn!r}: give a callable taking a module (e.g. "
+            "model._init_weights) or 'reset_parameters'"
+        )
+    hf = getattr(model, "_init_weights", None)
+    if callable(hf) and hasattr(model, "config"):
+        return hf
+    return _reset
+
+
+def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) children first, each module once (its first name)."""
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, module))
+
+    visit("", model)
+    return out
+
+
+def _direct(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    for field, t in [*module._parameters.items(), *module._buffers.items()]:
+        if t is not None:
+            yield field, t
+
+
+def meta_tensors(model: nn.Module, modules: Iterable[nn.Module]) -> list[str]:
+    """The model's names of the parameters and buffers on meta that `modules` hold."""
+    held = {id(t) for m in modules for t in (*m.parameters(), *m.buffers()) if t.is_meta}
+    return _names(model, held)
+
+
+def _names(model: nn.Module, ids: set[int]) -> list[str]:
+    found: dict[int, str] = {}
+    for path, module in model.named_modules():
+        for field, t in _direct(module):
+            if id(t) in ids and id(t) not in found:
+                found[id(t)] = f"{path}.{field}" if path else field
+    return sorted(found.values())
+
+
+def materialize(
+    model: nn.Module,
+    modules: Sequence[nn.Module],
+    device: torch.device | Sequence[torch.device],
+    *,
+    init_fn: InitFn | str | None = None,
+    seed: int = 0,
+) -> list[str]:
+    """Give every meta parameter and buffer that `modules` hold storage on `device` (one for
+    all, or one per module: a tensor two modules hold goes to the first's) and its initial
+    values (see the module docstring); returns their names. `model` is the whole model they
+    come from (it names the tensors and owns the modules to initialise)."""
+    init = resolve_init(model, init_fn)
+    places = [device] * len(modules) if isinstance(device, torch.device) else list(device)
+    olds: dict[int, Tensor] = {}
+    fresh: dict[int, Tensor] = {}
+    for module, place in zip(modules, places, strict=True):
+        for t in (*module.parameters(), *module.buffers()):
+            if t.is_meta and id(t) not in olds:
+                olds[id(t)], fresh[id(t)] = t, _fresh(t, place)
+    if not olds:
+        return []
+    holders = [model, *modules]
+    made = _replace(holders, fresh)
+    targets = {id(t): t for t in made}
+    versions = {key: t._version for key, t in targets.items()}
+    for path, module in _post_order(model):
+        owned = [t for _, t in _direct(module) if id(t) in targets]
+        if owned:
+            with _seeded(seed_for(seed, path), owned[0].device), torch.no_grad(), \
+                    _only(module, targets):
+                init(module)
+    try:
+        _check_written(model, targets, versions, init_fn)
+    except ValueError:
+        # Back on meta: nothing half-made is left, and a retry starts afresh.
+        _replace(holders, {id(t): old for t, old in zip(made, olds.values(), strict=True)})
+        raise
+    return _names(model, set(targets))
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """torch's CPU RNG (and `device`'s, on CUDA) seeded with `seed` for the block, restored
+    after it."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def _only(module: nn.Module, targets: dict[int, Tensor]) -> Iterator[None]:
+    """While the block runs, `module`'s own real tensors that are not `targets` are replaced by
+    meta stand-ins (writes to them do nothing)."""
+    kept: list[tuple[dict[str, Any], str, Tensor]] = []
+    owned: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    for slots in owned:
+        for field, t in slots.items():
+            if t is not None and not t.is_meta and id(t) not in targets:
+                kept.append((slots, field, t))
+                slots[field] = _fresh(t, torch.device("meta"))
+    try:
+        yield
+    finally:
+        for slots, field, t in kept:
+            slots[field] = t
+
+
+def _fresh(t: Tensor, device: torch.device) -> Tensor:
+    """A new tensor like `t` (its class, requires_grad and attributes) on `device`; floating
+    ones filled with NaN, so what an init leaves unwritten shows."""
+    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+    if new.is_floating_point() or new.is_complex():
+        new.fill_(float("nan"))
+    if isinstance(t, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    new.__dict__.update(t.__dict__)
+    return new
+
+
+def _replace(holders: Iterable[nn.Module], by_id: dict[int, Tensor]) -> list[Tensor]:
+    """Put `by_id[id(old)]` wherever a module under `holders` holds `old` (the model, and the
+    stage modules' own containers); returns the new tensors in `by_id`'s order. (Swapping
+    tensors in place is not possible: capture's fake-tensor memo keeps weak references.)"""
+    for holder in holders:
+        for module in holder.modules():
+            owned: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for slots in owned:
+                for field, t in slots.items():
+                    if t is not None and id(t) in by_id:
+                        slots[field] = by_id[id(t)]
+    return list(by_id.values())
+
+
+def _check_written(
+    model: nn.Module, targets: dict[int, Tensor], versions: dict[int, int],
+    init_fn: InitFn | str | None,
+) -> None:
+    missing = set()
+    for key, t in targets.items():
+        if t.is_floating_point() or t.is_complex():
+            if bool(torch.isnan(t).any()):
+                missing.add(key)
+        elif t._version == versions[key]:
+            missing.add(key)
+    if not missing:
+        return
+    names = _names(model, missing)
+    how = "each module's reset_parameters()" if not callable(init_fn) else f"init_fn={init_fn!r}"
+    raise ValueError(
+        f"the model was built on the meta device and {how} left {len(names)} tensor(s) (partly) "
+        f"uninitialised: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}; pass "
+        "init_fn=... that writes them (a function called on each module that owns one, e.g. "
+        "model._init_weights for a Hugging Face model), or load them with "
+        "pipe.load_state_dict / pipe.load_checkpoint"
+    )
