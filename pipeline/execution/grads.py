@@ -14,6 +14,14 @@ into leaves nobody reads: neither the restored grads nor a retried step's. Stage
 leaves of the step too; stage 0's input grads (an input with requires_grad) are returned in
 `RankResult.input_grads`, and the executor applies them (`apply_input_grads`) once the whole
 step succeeded.
+
+Gradient accumulation across steps (``.grad`` already set when a step starts, no zero_grad):
+the parameters the caller left with a `.grad` (pipeline.facade.running.run_step keeps it only
+for a parameter one stage of this process trains alone, and not tied to another rank) start
+their leaf with that very tensor as its grad, so AccumulateGrad adds into it in place: no second
+copy of the gradients. The trade: a failed or cancelled step may have added part of its
+gradients into those `.grad` (the caller is told which), where a step from `.grad` None
+leaves nothing.
 """
 
 from __future__ import annotations
@@ -133,6 +141,8 @@ class StepLeaves:
             leaf = leaves.get(id(p))
             if leaf is None:
                 leaf = leaves[id(p)] = p.detach().requires_grad_(True)
+                if p.grad is not None:  # accumulating across steps: AccumulateGrad adds in place
+                    leaf.grad = p.grad
                 self.pairs.append((p, leaf))
             self.slots.append((owner, name, p, leaf))
         self.leaves = [leaf for _, leaf in self.pairs]
@@ -147,8 +157,9 @@ class StepLeaves:
                 owner._parameters[name] = cast(nn.Parameter, p)
 
     def commit(self) -> None:
-        """Move the leaves' grads into the parameters' `.grad` (stolen, or added)."""
-        grads = [leaf.grad for _, leaf in self.pairs]
+        """Move the leaves' grads into the parameters' `.grad` (stolen, or added; a leaf that
+        accumulated into the parameter's own `.grad` has nothing left to move)."""
+        pairs = [(p, leaf.grad) for p, leaf in self.pairs if leaf.grad is not p.grad]
         for _, leaf in self.pairs:
             leaf.grad = None
-        accumulate_grads([p for p, _ in self.pairs], grads, owned=True)
+        accumulate_grads([p for p, _ in pairs], [g for _, g in pairs], owned=True)
