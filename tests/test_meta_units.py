@@ -1,0 +1,144 @@
+"""The parts of building on the meta device that need no Pipeline: materialising with the
+modules' own init (seeded by name, so layout-independent; uninitialised tensors named), the
+cost estimate on meta (FLOPs and bytes), `retarget` of positional devices, and the sandbox
+that copies only the parameters a measured forward writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner import capture, partition
+from partitioner.estimate import estimate
+from partitioner.exported import retarget
+from partitioner.sandbox import sandbox
+from pipeline.execution.materialize import materialize, meta_tensors
+from tests.real_models import llama
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
+
+
+def test_materialize_is_seeded_by_name_and_layout_independent() -> None:
+    with torch.device("meta"):
+        whole, halves = _mlp(), _mlp()
+    materialize(whole, [whole], torch.device("cpu"), seed=5)
+    # Two "stages" materialised separately, in the other order, with the RNG moved between.
+    materialize(halves, [halves[2], halves[3]], torch.device("cpu"), seed=5)
+    torch.rand(100)
+    materialize(halves, [halves[0]], torch.device("cpu"), seed=5)
+    for (name, a), b in zip(whole.state_dict().items(), halves.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    with torch.device("meta"):
+        other = _mlp()
+    materialize(other, [other], torch.device("cpu"), seed=6)
+    assert not torch.equal(other[0].weight, whole[0].weight)
+    assert meta_tensors(whole, [whole]) == []
+
+
+def test_materialize_only_the_held_tensors() -> None:
+    with torch.device("meta"):
+        model = _mlp()
+    names = materialize(model, [model[2]], torch.device("cpu"), seed=0)
+    assert names == ["2.bias", "2.weight"]
+    assert model[0].weight.is_meta and not model[2].weight.is_meta
+    assert meta_tensors(model, [model]) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))  # nothing initialises it: no reset_parameters
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+def test_uninitialised_tensors_are_named() -> None:
+    with torch.device("meta"):
+        model = _Scaled()
+    with pytest.raises(ValueError, match=r"left 2 tensor.*scale, steps.*init_fn="):
+        materialize(model, [model], torch.device("cpu"))
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, _Scaled):
+            module.scale.fill_(2.0)
+            module.steps.zero_()
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    materialize(model, [model], torch.device("cpu"), init_fn=init)
+    assert torch.equal(model.scale, torch.full((4,), 2.0))
+
+
+def test_llama_rotary_buffers_after_a_state_dict() -> None:
+    """Loaded weights stay as loaded; the non-persistent rotary inv_freq gets its real value
+    from Hugging Face's own init (the default for a Hugging Face model)."""
+    torch.manual_seed(0)
+    real = llama()
+    with torch.device("meta"):
+        model = llama()
+    model.load_state_dict(real.state_dict(), assign=True)
+    assert model.model.rotary_emb.inv_freq.is_meta
+    names = materialize(model, [model], torch.device("cpu"), seed=1)
+    assert names == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+    assert torch.equal(model.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
+    for key, value in real.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    ids = torch.randint(0, 48, (2, 6))
+    assert torch.equal(model(input_ids=ids).logits, real(input_ids=ids).logits)
+
+
+def test_estimate_counts_flops_on_meta() -> None:
+    with torch.device("meta"):
+        model = _mlp()
+    x = torch.randn(3, 8)
+    graph = capture(model, (x.to("meta"),))
+    estimate(graph, (x,), rates=(1e9, 1e30))  # FLOPs only
+    first = graph.nodes[graph.graph["order"][0]]
+    assert first["forward_flops"] == 2 * 3 * 8 * 16
+    # Backward of a Linear: input grad 2*3*16*8, weight grad 2*16*3*8 FLOPs.
+    assert first["backward_flops"] == 2 * (2 * 3 * 8 * 16)
+    assert first["forward_time"] == pytest.approx(2 * 3 * 8 * 16 / 1e9)
+    plan = partition(graph, 2, "profile")
+    assert "estimated on meta" in str(plan)
+    assert not any(p.device.type != "meta" for p in model.parameters())
+    with pytest.raises(ValueError, match="meta device"):
+        estimate(capture(_mlp(), (x,)), (x,))
+
+
+def test_retarget_rewrites_positional_devices() -> None:
+    class Moves(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.ops.aten.to.device(torch.ones(3), torch.device("meta"), x.dtype)
+
+    gm = torch.fx.symbolic_trace(Moves())
+    retarget(gm, torch.device("cpu"))
+    assert torch.equal(gm(torch.zeros(3)), torch.ones(3))
+
+
+class _WritesItself(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.big = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.mul_(2.0)  # a forward that writes its own weight
+        return self.fc(x)
+
+
+def test_sandbox_copies_only_written_parameters() -> None:
+    model = _WritesItself()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with sandbox(model) as box:
+        model(torch.randn(2, 4))
+    assert box.copied == 1  # fc.weight only: no copy of the whole model
+    for key, value in model.state_dict().items():
+        assert torch.equal(before[key], value), key
