@@ -23,7 +23,12 @@ from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
 from pipeline.facade.measurement import Measurement
 from pipeline.facade.module_like import ModuleLike
-from pipeline.facade.running import CallGuard, one_at_a_time, run_step
+from pipeline.facade.running import (
+    CallGuard,
+    check_grad_accumulation,
+    one_at_a_time,
+    run_step,
+)
 from pipeline.facade.settings import check_settings, executor_for
 from pipeline.facade.setup import Setup
 from pipeline.facade.state import ModelState
@@ -106,10 +111,11 @@ class Pipeline(ModuleLike):
     microbatch m (n_m samples of n), so with a mean-reduced loss the summed gradients equal
     those of ``loss_fn(model(x), y)`` on the whole batch, also when the batch does not divide
     evenly. Gradients accumulate into ``.grad`` like ``loss.backward()``; if a step fails, the
-    gradients it produced are discarded and ``.grad`` is left as before the step, except that
-    a step adding into an existing ``.grad`` (accumulation across steps without zero_grad)
-    adds in place, without a second copy, so a failure there may leave it partly added (the
-    error says so; see pipeline.execution.grads).
+    gradients it produced are discarded and ``.grad`` is left as before the step. That costs a
+    second copy of the gradients while a step adds to an existing ``.grad`` (accumulation
+    across steps without zero_grad); ``grad_accumulation="in_place"`` adds into it in place
+    instead, without the copy, and a failed (or cancelled) step may then leave it partly
+    added (the error says so; see pipeline.execution.grads).
 
     Each executed action is labelled ``hybridpipe <stage><op><microbatch>`` (e.g. "1B3") with
     ``torch.profiler.record_function``; the actions run in worker threads, so profile with
@@ -146,6 +152,7 @@ class Pipeline(ModuleLike):
         leaf_modules: tuple[type, ...] | None = None, rebalance: bool = False,
         capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
         dynamic_dims: Sequence[int] = (), init_fn: InitFn | str | None = None,
+        grad_accumulation: str = "atomic",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -155,6 +162,7 @@ class Pipeline(ModuleLike):
             stages, microbatches, virtual_stages, memory_limit, data_parallel
         )
         self.loss_fn = loss_fn
+        self.grad_accumulation = check_grad_accumulation(grad_accumulation)
         self.checkpoint_activations = checkpoint_activations
         self.timeout = resolve_timeout(timeout)
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout)
@@ -204,7 +212,8 @@ class Pipeline(ModuleLike):
             )
         args = self._setup.args(x)
         with self._executor.precision.calling("Pipeline.step", self._device_types):
-            result = run_step(self._executor, self.parameters(), args, y)
+            result = run_step(self._executor, self.parameters(), args, y,
+                              in_place=self.grad_accumulation == "in_place")
         self._measure.record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")

@@ -142,3 +142,66 @@ def test_sandbox_copies_only_written_parameters() -> None:
     assert box.copied == 1  # fc.weight only: no copy of the whole model
     for key, value in model.state_dict().items():
         assert torch.equal(before[key], value), key
+
+
+def test_meta_pipeline_in_one_process_equals_the_unsplit_model() -> None:
+    """A Llama built on meta, initialised by the Pipeline at 2 stages (balanced by the FLOP
+    estimate), trains exactly as the same model materialised whole."""
+    from pipeline import Pipeline
+    from tests.real_models import lm_loss
+
+    torch.manual_seed(7)
+    ids, target = torch.randint(0, 48, (4, 6)), torch.randint(0, 48, (4, 6))
+    with torch.device("meta"):
+        model = llama().double()
+    pipe = Pipeline(model, stages=2, loss_fn=lm_loss, microbatches=2,
+                    init_fn="reset_parameters")
+    loss = pipe.step({"input_ids": ids}, target)
+    assert "estimated on meta" in str(pipe.plan)
+    with torch.device("meta"):
+        ref = llama().double()
+    materialize(ref, [ref], torch.device("cpu"), seed=7)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    ref_loss = lm_loss(ref(input_ids=ids), target)
+    ref_loss.backward()
+    assert float(loss) == pytest.approx(float(ref_loss.detach()), abs=1e-10)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-10), name
+
+
+def test_meta_tensor_at_a_step_is_named() -> None:
+    from pipeline import Pipeline
+
+    with torch.device("meta"):
+        model = _mlp().double()
+    pipe = Pipeline(model, stages=2, loss_fn=nn.MSELoss(), microbatches=2)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"meta device: 0\.bias, 0\.weight.*init_fn="):
+        pipe.step(x, torch.randn(4, 4, dtype=torch.float64))
+    pipe.load_state_dict(_mlp().double().state_dict())
+    pipe.step(x, torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_in_place_grad_accumulation_keeps_one_copy() -> None:
+    from pipeline import Pipeline
+
+    torch.manual_seed(0)
+    model = _mlp().double()
+    ref = _mlp().double()
+    ref.load_state_dict(model.state_dict())
+    pipe = Pipeline(model, stages=2, loss_fn=nn.MSELoss(), microbatches=2,
+                    grad_accumulation="in_place")
+    batches = [(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))
+               for _ in range(2)]
+    pipe.step(*batches[0])
+    grads = [p.grad for p in model.parameters()]
+    pipe.step(*batches[1])
+    # The same tensors: the second step added into them (no second copy, no swap).
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    for x, y in batches:
+        nn.MSELoss()(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-12), name
+    with pytest.raises(ValueError, match="grad_accumulation="):
+        Pipeline(model, stages=2, grad_accumulation="lazy")

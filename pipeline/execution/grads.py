@@ -15,13 +15,13 @@ leaves of the step too; stage 0's input grads (an input with requires_grad) are 
 `RankResult.input_grads`, and the executor applies them (`apply_input_grads`) once the whole
 step succeeded.
 
-Gradient accumulation across steps (``.grad`` already set when a step starts, no zero_grad):
-the parameters the caller left with a `.grad` (pipeline.facade.running.run_step keeps it only
-for a parameter one stage of this process trains alone, and not tied to another rank) start
-their leaf with that very tensor as its grad, so AccumulateGrad adds into it in place: no second
-copy of the gradients. The trade: a failed or cancelled step may have added part of its
-gradients into those `.grad` (the caller is told which), where a step from `.grad` None
-leaves nothing.
+In-place accumulation across steps (``Pipeline(grad_accumulation="in_place")``): the
+parameters the caller leaves with a `.grad` (pipeline.facade.running.run_step does so only for
+a parameter one stage of this process trains alone, and not tied to another rank) start their
+leaf with that very tensor as its grad, so AccumulateGrad adds into it in place: no second copy
+of the gradients. The trade: a failed or cancelled step may have added part of its gradients
+into those `.grad`, and a cancelled worker still inside its backward may add more until it
+returns; by default (`.grad` cleared for the step) none of that can happen.
 """
 
 from __future__ import annotations
