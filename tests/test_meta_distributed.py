@@ -45,7 +45,7 @@ def _reference(name: str) -> tuple[torch.nn.Module, float]:
     x, y = _batch()
     loss = lm_loss(model(input_ids=x), y)
     loss.backward()
-    return model, float(loss)
+    return model, float(loss.detach())
 
 
 def _worker_init(out: Path) -> None:

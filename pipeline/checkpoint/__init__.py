@@ -29,17 +29,18 @@ the optimizer's type, param groups and per-parameter state, reads this process's
 fresh buffers, and only then changes the optimizer and the stages.
 
 Large models without materialising them whole: build the model on the meta device (``with
-torch.device("meta"): model = Model()``) and, under torchrun, make the Pipeline with a meta
-example input and an explicit balance (profiling needs real tensors)::
+torch.device("meta"): model = Model()``); the Pipeline captures it on meta and balances it by
+a FLOP + bytes estimate (partitioner.estimate)::
 
-    pipe = Pipeline(model, stages=4, balance="parameters", example_input=x.to("meta"), ...)
-    pipe.load_state_dict(torch.load("weights.pt", mmap=True))
+    pipe = Pipeline(model, stages=4, example_input=x, ...)
+    pipe.load_state_dict(torch.load("weights.pt", mmap=True))   # or pipe.load_checkpoint(dir)
     optimizer = torch.optim.AdamW(pipe.parameters())
 
 Each process captures and splits the model without allocating it, then takes only its own
 stages' tensors from the memory-mapped file (the meta parameters are replaced by them; other
-stages' bytes are never read). In one process, leave example_input out and load before the
-first step. Build the optimizer after loading.
+stages' bytes are never read); what the file lacks (non-persistent buffers such as a rotary
+``inv_freq``) comes from the modules' own init (pipeline.execution.materialize). Build the
+optimizer after loading. ``Pipeline(..., init_fn=...)`` initialises from scratch instead.
 
 Modules, one job each: `state` (spec, checks, gather, load into the held stages), `files`
 (atomic writes, versions, a full disk), `extra` (what ``extra`` may hold), `optim` (the
