@@ -75,16 +75,35 @@ def _live_version(root: Path) -> str | None:
     return pointer.read_text().strip() or None
 
 
-def _prepare_version(root: Path) -> str:
-    """(Global rank 0) remove what a killed writer left, create the next version directory."""
-    root.mkdir(parents=True, exist_ok=True)
+def _number(name: str) -> int | None:
+    match = _VERSION.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def versions(root: Path) -> list[str]:
+    """The complete version directories of checkpoint `root`, oldest first: the live one and
+    the older ones kept by retention (a version newer than the live one is what a failed or
+    killed writer left)."""
     live = _live_version(root)
+    live_number = None if live is None else _number(live)
+    if live_number is None or not root.is_dir():
+        return []
+    found = [(n, e.name) for e in root.iterdir() if (n := _number(e.name)) is not None]
+    return [name for n, name in sorted(found) if n <= live_number]
+
+
+def _prepare_version(root: Path) -> str:
+    """(Global rank 0) remove what a failed or killed writer left (versions newer than the
+    live one, or every version when none is live, and temp pointers), create the next
+    version directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    keep = set(versions(root))
     numbers = [0]
     for entry in root.iterdir():
-        match = _VERSION.fullmatch(entry.name)
-        if match:
-            numbers.append(int(match.group(1)))
-            if entry.name != live:
+        number = _number(entry.name)
+        if number is not None:
+            numbers.append(number)
+            if entry.name not in keep:
                 shutil.rmtree(entry)
         elif entry.name.startswith(f".{_POINTER}.") and entry.name.endswith(".tmp"):
             entry.unlink()
@@ -93,8 +112,9 @@ def _prepare_version(root: Path) -> str:
     return name
 
 
-def _commit(root: Path, name: str) -> None:
-    """(Global rank 0) make `name` the live version, then delete the older ones."""
+def _commit(root: Path, name: str, keep: int = 1) -> None:
+    """(Global rank 0) make `name` the live version, then delete all but the `keep` newest
+    versions (the live one included)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{_POINTER}.", suffix=".tmp", dir=root)
     try:
         with os.fdopen(fd, "w") as f:
@@ -107,9 +127,8 @@ def _commit(root: Path, name: str) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(root)
-    for entry in root.iterdir():
-        if _VERSION.fullmatch(entry.name) and entry.name != name:
-            shutil.rmtree(entry, ignore_errors=True)
+    for old in versions(root)[:-keep]:
+        shutil.rmtree(root / old, ignore_errors=True)
 
 
 def _nbytes(tensors: Mapping[str, Tensor]) -> int:
@@ -140,3 +159,12 @@ def _disk_full(root: Path, need: int) -> OSError:
         f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free. Free space or save "
         "elsewhere; the previous checkpoint is untouched",
     )
+
+
+def as_disk_full(err: BaseException, root: Path, need: int) -> BaseException:
+    """`err` itself, or, when it is a full disk, the OSError(ENOSPC) saying so (caused by it)."""
+    if not _no_space(err):
+        return err
+    full = _disk_full(root, need)
+    full.__cause__ = err
+    return full

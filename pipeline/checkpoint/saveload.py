@@ -5,6 +5,7 @@ and `load_checkpoint` (everything checked and read before anything changes), wit
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Mapping
@@ -17,12 +18,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
+from pipeline.checkpoint.background import AsyncWriter
 from pipeline.checkpoint.extra import check_extra
 from pipeline.checkpoint.files import (
     _META,
@@ -68,6 +71,43 @@ def _agree(value: Any, ctx: DistContext | None) -> Any:
     return value if ctx is None else agree(value)
 
 
+def _state_to_save(
+    stage_modules: Mapping[int, nn.Module], spec: Mapping[str, TensorSpec],
+    optimizer: torch.optim.Optimizer | None, model: nn.Module | None,
+) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any] | None]:
+    """This process's tensors to write (model and optimizer, DCP keys), the optimizer's
+    non-tensor values (for hybridpipe.pt) and the optimizer's type and group count."""
+    tensors: dict[str, Tensor] = {
+        f"model.{k}": v.detach() for k, v in local_state(stage_modules).items() if k in spec
+    }
+    values: dict[str, Any] = {}
+    if optimizer is None:
+        return tensors, values, None
+    if model is None:
+        raise TypeError("saving optimizer state needs model= (to name its parameters)")
+    names = _param_names(model, optimizer)
+    held = _held_names(stage_modules, names)
+    flat = get_optimizer_state_dict(model, optimizer, options=FLAT)
+    # Only the held stages' parameters: an optimizer built before the plan was made also
+    # holds the (emptied) parameters of other processes' stages, with stale state.
+    for key, value in _of_params(flat, held).items():
+        if isinstance(value, Tensor):
+            tensors[f"optim.{key}"] = value.detach()
+        else:
+            values[f"optim.{key}"] = value
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if names[id(p)] in held:
+                values[f"optim.group.{names[id(p)]}"] = i
+    return tensors, values, {"type": _qualname(optimizer), "groups": len(optimizer.param_groups)}
+
+
+def _go_live(root: Path, name: str, meta: dict[str, Any], keep: int) -> None:
+    """(Global rank 0, every process's files written) write hybridpipe.pt, switch to it."""
+    atomic_save(meta, root / name / _META)
+    _commit(root, name, keep)
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     stage_modules: Mapping[int, nn.Module],
@@ -77,63 +117,60 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     model: nn.Module | None = None,
     extra: Any = None,
+    keep: int = 1,
+    writer: AsyncWriter | None = None,
 ) -> None:
     """Write this process's model (+ optimizer) state into the checkpoint directory `path`
     (see the module docstring), atomically. Every process must call it; it returns once the
     new version is live (all ranks wait). `model` names the optimizer's parameters. `extra`
     must load back with ``torch.load(weights_only=True)`` (`check_extra`, at once). A full
-    disk is an OSError(ENOSPC) saying so; the previous checkpoint stays live."""
+    disk is an OSError(ENOSPC) saying so; the previous checkpoint stays live, and what the
+    failed save wrote is removed. `keep`: versions kept (the newest; older ones are deleted
+    when a new one goes live). With `writer` the save is asynchronous: it first waits for the
+    writer's previous save, then returns once this process's tensors are staged (copied), and
+    the new version goes live in the background (`AsyncWriter.wait`)."""
     check_extra(extra)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (versions kept), got {keep!r}")
     root = _checkpoint_root(path)
-    tensors: dict[str, Tensor] = {
-        f"model.{k}": v.detach() for k, v in local_state(stage_modules).items() if k in spec
-    }
-    values: dict[str, Any] = {}
-    optimizer_info = None
-    if optimizer is not None:
-        if model is None:
-            raise TypeError("saving optimizer state needs model= (to name its parameters)")
-        names = _param_names(model, optimizer)
-        held = _held_names(stage_modules, names)
-        flat = get_optimizer_state_dict(model, optimizer, options=FLAT)
-        # Only the held stages' parameters: an optimizer built before the plan was made also
-        # holds the (emptied) parameters of other processes' stages, with stale state.
-        for key, value in _of_params(flat, held).items():
-            if isinstance(value, Tensor):
-                tensors[f"optim.{key}"] = value.detach()
-            else:
-                values[f"optim.{key}"] = value
-        for i, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if names[id(p)] in held:
-                    values[f"optim.group.{names[id(p)]}"] = i
-        optimizer_info = {"type": _qualname(optimizer), "groups": len(optimizer.param_groups)}
+    tensors, values, optimizer_info = _state_to_save(stage_modules, spec, optimizer, model)
     need = _nbytes(tensors)
     with ctx.guard("checkpoint save") if ctx is not None else nullcontext():
+        if writer is not None:
+            writer.wait()  # one save in flight at a time
         name = _agree(_prepare_version(root) if _is_rank0(ctx) else None, ctx)
         parts = _gather_to_rank0(values, ctx)
         version = root / name
+
+        def discard() -> None:
+            if _is_rank0(ctx):
+                shutil.rmtree(version, ignore_errors=True)
+
+        finish = None
+        if parts is not None:  # global rank 0
+            layout = (
+                {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
+                if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
+            )
+            meta = {
+                "format": FORMAT, "version": VERSION, "spec": _spec_to_json(spec),
+                "layout": layout, "optimizer": optimizer_info,
+                "values": {k: v for part in parts for k, v in part.items()}, "extra": extra,
+            }
+            finish = functools.partial(_go_live, root, name, meta, keep)
         try:
             if shutil.disk_usage(root).free < need:
                 raise _disk_full(root, need)
+            if writer is not None:
+                writer.start(tensors, version, finish=finish, discard=discard, root=root,
+                             need=need)
+                return
             with _single_process_quiet():
                 dcp.save(tensors, storage_writer=FileSystemWriter(version), no_dist=ctx is None)
-            if parts is not None:  # global rank 0
-                merged = {k: v for part in parts for k, v in part.items()}
-                layout = (
-                    {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
-                    if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
-                )
-                meta = {
-                    "format": FORMAT, "version": VERSION, "spec": _spec_to_json(spec),
-                    "layout": layout, "optimizer": optimizer_info, "values": merged,
-                    "extra": extra,
-                }
-                atomic_save(meta, version / _META)
-                _commit(root, name)
+            if finish is not None:
+                finish()
         except BaseException as err:
-            if _is_rank0(ctx):
-                shutil.rmtree(version, ignore_errors=True)
+            discard()
             if _no_space(err):
                 raise _disk_full(root, need) from err
             raise
@@ -203,6 +240,55 @@ def _check_model(source: str, meta: Mapping[str, Any], spec: Mapping[str, Tensor
     )
 
 
+def _failure(err: BaseException) -> str:
+    """The innermost reason of a DCP failure (not its traceback text)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).split(". This is an internal")[0]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _read(version: Path, buffers: dict[str, Tensor], source: str) -> None:
+    """Read `buffers` (DCP keys) from `version`. Reading needs no coordination: each process
+    reads its own keys (no_dist). A data file that is missing, short or unreadable is a
+    ValueError naming it (found by reading each file's keys on their own)."""
+    try:
+        with _single_process_quiet():
+            dcp.load(buffers, storage_reader=FileSystemReader(version), no_dist=True)
+        return
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        failure = err
+    storage = FileSystemReader(version).read_metadata().storage_data
+    files: dict[str, dict[str, Tensor]] = {}
+    for index, info in storage.items():
+        if index.fqn in buffers:
+            files.setdefault(info.relative_path, {})[index.fqn] = buffers[index.fqn]
+    for name, part in sorted(files.items()):
+        file = version / name
+        need = max(i.offset + i.length for i in storage.values() if i.relative_path == name)
+        if not file.is_file():
+            reason = "it is missing"
+        elif file.stat().st_size < need:
+            reason = f"it is truncated ({file.stat().st_size} bytes, {need} expected)"
+        else:
+            try:
+                with _single_process_quiet():
+                    dcp.load(part, storage_reader=FileSystemReader(version), no_dist=True)
+                continue
+            except (Exception, CheckpointException) as err:
+                reason = f"it cannot be read ({_failure(err)})"
+        raise ValueError(
+            f"{source} is damaged: data file {str(file)!r} holding {len(part)} of this "
+            f"process's tensors ({_short(list(part))}): {reason}. Nothing was loaded; restore "
+            "the file, or load an older version (save with keep= to retain some)"
+        ) from None
+    raise ValueError(
+        f"{source} could not be read ({_failure(failure)}); nothing was loaded"
+    ) from failure
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     stage_modules: Mapping[int, nn.Module],
@@ -219,7 +305,13 @@ def load_checkpoint(
     version, meta = read_checkpoint(path)
     source = f"checkpoint {os.fspath(path)!r}"
     _check_model(source, meta, spec)
-    stored = FileSystemReader(version).read_metadata().state_dict_metadata
+    try:
+        stored = FileSystemReader(version).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise ValueError(
+            f"{source} is damaged: DCP's index {str(version / '.metadata')!r} cannot be read "
+            f"({_failure(err)}). Nothing was loaded; restore the file, or load an older version"
+        ) from None
     own = [k for k in local_state(stage_modules) if k in spec]
     absent = [k for k in own if f"model.{k}" not in stored]
     if absent:
@@ -245,9 +337,7 @@ def load_checkpoint(
             raise ValueError(f"{source} holds {key!r} as bytes, not a tensor; it was damaged")
         buffers[key] = torch.empty(item.size, dtype=item.properties.dtype)
     if buffers:
-        # Reading needs no coordination: each process reads its own keys (no_dist).
-        with _single_process_quiet():
-            dcp.load(buffers, storage_reader=FileSystemReader(version), no_dist=True)
+        _read(version, buffers, source)
     # Everything is checked and read: change the optimizer, then the stages.
     if optimizer is not None and model is not None:
         flat.update({k[len("optim."):]: v for k, v in buffers.items() if k.startswith("optim.")})

@@ -1,0 +1,112 @@
+"""Asynchronous checkpoint saves: DCP's `async_save` stages this process's tensors (a CPU copy)
+while the caller waits, then writes them from a background thread; global rank 0 makes the new
+version live once every process's files are written. One save is in flight at a time; its
+outcome (an error, a full disk named as such) comes back at `wait`, which the next save calls.
+
+Under torch.distributed the background writes coordinate over a gloo process group of their
+own, made at the first asynchronous save (every process saves at the same step, so the
+groups are made in the same order everywhere), so they never interleave with the training's
+collectives on the default group."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
+
+from pipeline.checkpoint.files import _single_process_quiet, as_disk_full
+from pipeline.execution.distributed import DistContext
+
+
+class AsyncWriter:
+    """Runs one process's asynchronous saves (`start`) and waits for them (`wait`)."""
+
+    def __init__(self, ctx: DistContext | None, timeout: float) -> None:
+        self._ctx = ctx
+        self.timeout = timeout
+        self._group: dist.ProcessGroup | None = None
+        self._done: threading.Event | None = None  # set when the save in flight has ended
+        self._error: BaseException | None = None
+        self._where: tuple[Path, int] = (Path(), 0)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._done is not None
+
+    def start(
+        self, tensors: dict[str, Tensor], version: Path, *, finish: Callable[[], None] | None,
+        discard: Callable[[], None], root: Path, need: int,
+    ) -> None:
+        """Stage `tensors` (returns when copied) and write them to `version` in the
+        background; then `finish` (global rank 0: metadata and the switch to the new
+        version) or, on failure, `discard`. The caller has waited for the previous save."""
+        if self._done is not None:
+            raise RuntimeError("a checkpoint save is still in flight; call wait() first")
+        group = None
+        if self._ctx is not None:
+            if self._group is None:
+                made = dist.new_group(backend="gloo")
+                if not isinstance(made, dist.ProcessGroup):
+                    raise RuntimeError("this process is not in the checkpoint's process group")
+                self._group = made
+            group = self._group
+        done = threading.Event()
+        self._error, self._where = None, (root, need)
+
+        def ended(future: Any) -> None:
+            try:
+                future.result()
+                if finish is not None:
+                    finish()
+            except BaseException as err:  # handed to wait(), in the caller's thread
+                discard()
+                self._error = err
+            finally:
+                done.set()
+
+        with _single_process_quiet():
+            future = dcp.async_save(
+                tensors, storage_writer=FileSystemWriter(version), process_group=group,
+                no_dist=self._ctx is None,
+            )
+        self._done = done
+        # A Future: FileSystemWriter stages (copies) before async_save returns.
+        cast(Future, future).add_done_callback(ended)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return once the save in flight (if any) is live on every process; raise its error
+        (a full disk as OSError(ENOSPC)) otherwise. Under torch.distributed every process
+        calls it. Bounded by `timeout` seconds (default: the pipeline's timeout)."""
+        done, self._done = self._done, None
+        if done is None:
+            return
+        limit = self.timeout if timeout is None else timeout
+        if not done.wait(limit):
+            raise TimeoutError(
+                f"the background checkpoint save to {str(self._where[0])!r} did not end within "
+                f"{limit:g} s; the previous checkpoint stays live. Wait longer "
+                "(pipe.wait_checkpoint(timeout=...)) or check the storage"
+            )
+        failed = self._error is not None
+        if self._ctx is not None and self._group is not None:
+            # Every process learns whether any failed (global rank 0's switch included).
+            flag = torch.tensor([1.0 if failed else 0.0])
+            work = dist.all_reduce(flag, group=self._group, async_op=True)
+            work.wait(timeout=timedelta(seconds=limit))
+            if flag.item() > 0 and not failed:
+                raise RuntimeError(
+                    "the background checkpoint save failed on another process (its error is "
+                    "raised there); the previous checkpoint stays live"
+                )
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise as_disk_full(err, *self._where)
