@@ -1,6 +1,8 @@
 """pipeline: the `Pipeline` API and its executors (local threads + CUDA streams; the shared
-action runtime used by the torch.distributed executor too)."""
+action runtime used by the torch.distributed executor too), and `Checkpointer` (resume and
+periodic checkpoints; pipeline.elastic)."""
 
 from pipeline.api import Pipeline
+from pipeline.elastic import Checkpointer
 
-__all__ = ["Pipeline"]
+__all__ = ["Checkpointer", "Pipeline"]

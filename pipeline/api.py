@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from partitioner import Plan, StageModule
+from pipeline.elastic.layout import choose_layout
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision
 from pipeline.execution.program import LossFn
@@ -83,6 +84,10 @@ class Pipeline(ModuleLike):
       static, and a later batch that changes one is captured again with it dynamic (one
       process only; under torchrun name the dims here). ``pipe.plan`` lists the dynamic dims.
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
+    - ``stages="auto"`` (under torchrun, with ``example_input`` = the global batch): stages,
+      data_parallel, schedule (unless named) and microbatches chosen for the world size by the
+      auto-planner under ``memory_limit``; each replica takes its share of the global batch
+      (pipeline.elastic.layout), so a restart with fewer processes re-plans.
     - ``rebalance``: after the third step, re-partition once from the measured stage costs if
       that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
       Off by default: it changes the stages mid-run on a few noisy measurements, so it is the
@@ -141,7 +146,7 @@ class Pipeline(ModuleLike):
     """
 
     def __init__(
-        self, model: nn.Module, stages: int = 4, *,
+        self, model: nn.Module, stages: int | str = 4, *,
         schedule: str | os.PathLike[str] | Schedule = "1f1b",
         microbatches: int | str | None = None, loss_fn: LossFn | None = None,
         balance: str | Sequence[int] = "profile",
@@ -158,6 +163,16 @@ class Pipeline(ModuleLike):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
+        self._layouts: AutoPlan | None = None
+        if stages == "auto":  # (stages, data_parallel, ...) for this world: pipeline.elastic
+            auto = choose_layout(
+                model, example_input, schedule=schedule, microbatches=microbatches,
+                virtual_stages=virtual_stages, data_parallel=data_parallel,
+                memory_limit=memory_limit, leaf_modules=leaf_modules,
+                capture_method=capture_method, timeout=resolve_timeout(timeout),
+            )
+            self._layouts, example_input = auto.plan, auto.example
+            stages, data_parallel, schedule, microbatches, virtual_stages = auto.settings
         self.stages = check_settings(
             stages, microbatches, virtual_stages, memory_limit, data_parallel
         )
@@ -168,7 +183,7 @@ class Pipeline(ModuleLike):
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout)
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision)
-        self._state = ModelState(model, self._executor, init_fn)
+        self._state = ModelState(model, self._executor, self.timeout, init_fn)
         self._setup = Setup.plan_for(
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
@@ -251,9 +266,10 @@ class Pipeline(ModuleLike):
 
     @property
     def autoplan(self) -> AutoPlan | None:
-        """The auto-planner's ranked candidates when a setting was "auto" (else None)."""
+        """The auto-planner's ranked candidates when a setting was "auto" (else None); for
+        ``stages="auto"`` the (stages, data_parallel) layouts ranked for this world."""
         self._setup.made  # noqa: B018 - raises the explanatory error before the first batch
-        return self._setup.planner.autoplan
+        return self._setup.planner.autoplan or self._layouts
 
     @property
     def trace(self) -> Timeline | None:

@@ -246,7 +246,8 @@ def _failure(err: BaseException) -> str:
         err = next(iter(err.failures.values()))[0]
     while err.__cause__ is not None:
         err = err.__cause__
-    text = str(err).split(". This is an internal")[0]
+    lines = str(err).strip().splitlines()
+    text = lines[0].split(". This is an internal")[0][:160] if lines else ""
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 

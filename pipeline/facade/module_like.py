@@ -101,14 +101,23 @@ class ModuleLike:
 
     def save_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
-        extra: Any = None,
+        extra: Any = None, *, keep: int = 1, async_save: bool = False,
     ) -> None:
         """Write model and optimizer state (keyed by parameter name) and `extra` into the
         checkpoint directory `path`, sharded (torch.distributed.checkpoint: every process
         writes its own stages) and atomically (a new version, then an atomic switch; see
         pipeline.checkpoint). Under torch.distributed every process calls it; loadable at any
-        (stages, data_parallel) layout. `extra` must be plain data (checked now)."""
-        self._state.save_checkpoint(path, optimizer, extra)
+        (stages, data_parallel) layout. `extra` must be plain data (checked now). `keep`:
+        versions kept (the newest). `async_save`: return once the tensors are copied; the
+        write goes on in the background and the new version goes live when it is done
+        (`wait_checkpoint`; the next save or load waits for it first)."""
+        self._state.save_checkpoint(path, optimizer, extra, keep, async_save)
+
+    def wait_checkpoint(self, timeout: float | None = None) -> None:
+        """Return once the asynchronous save in flight (if any) is live on every process;
+        raise its error (the previous version stays live). Bounded by `timeout` seconds
+        (default: the Pipeline's timeout). Call it before the process ends."""
+        self._state.wait_checkpoint(timeout)
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import checkpoint
+from pipeline.checkpoint.background import AsyncWriter
 from pipeline.execution.executor import Executor
 from pipeline.execution.materialize import InitFn, materialize, resolve_init
 from pipeline.planning.planner import on_meta
@@ -27,10 +28,13 @@ class ModelState:
     initialisation of a model built on meta (`init_fn`: see pipeline.execution.materialize)."""
 
     def __init__(
-        self, module: nn.Module, executor: Executor, init_fn: InitFn | str | None = None
+        self, module: nn.Module, executor: Executor, timeout: float,
+        init_fn: InitFn | str | None = None,
     ) -> None:
         self.module = module
         self.executor = executor
+        self.timeout = timeout
+        self.writer: AsyncWriter | None = None  # made at the first asynchronous save
         self.spec = checkpoint.model_spec(module)
         self.built_on_meta = on_meta(module)
         if init_fn is not None:
@@ -70,19 +74,30 @@ class ModelState:
         self._fill()
 
     def save_checkpoint(
-        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None, extra: Any
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None, extra: Any,
+        keep: int, async_save: bool,
     ) -> None:
         scaler = self.executor.precision.scaler
         if scaler is not None:
             extra = {SCALER_KEY: scaler.state_dict(), "extra": extra}
+        if async_save and self.writer is None:
+            self.writer = AsyncWriter(self.executor.context, self.timeout)
+        if not async_save:
+            self.wait_checkpoint(None)
         checkpoint.save_checkpoint(
             path, self.held(), self.spec, self.executor.context, optimizer=optimizer,
-            model=self.module, extra=extra,
+            model=self.module, extra=extra, keep=keep,
+            writer=self.writer if async_save else None,
         )
+
+    def wait_checkpoint(self, timeout: float | None) -> None:
+        if self.writer is not None:
+            self.writer.wait(timeout)
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
     ) -> Any:
+        self.wait_checkpoint(None)
         extra = checkpoint.load_checkpoint(
             path, self.held(), self.spec, optimizer=optimizer, model=self.module,
         )

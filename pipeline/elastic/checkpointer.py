@@ -1,0 +1,161 @@
+"""`Checkpointer`: resume and periodic checkpoints as a training-loop helper. `resume` finds
+the live (latest complete) checkpoint of a directory, loads the model, the optimizer, the data
+position and the RNG states at whatever layout this run has, and reports what it resumed
+(`Resumed`); `maybe_save` saves every `every` steps, keeping the last `keep` versions, and
+asynchronously if asked (the step stalls only while the tensors are copied).
+
+What a save holds besides model and optimizer (its ``extra``): the steps done, the caller's
+data position (plain data, e.g. a sampler's state) and the RNG states of every process (torch's
+CPU generator, the CUDA one where present, Python's `random`), keyed by (replica, pipeline
+rank). On resume a process takes the states saved at its own (replica, pipeline rank), else
+those of global rank 0 (a layout that did not exist before). NumPy's generator is not saved."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint import read_checkpoint
+
+if TYPE_CHECKING:
+    from pipeline.api import Pipeline
+
+log = logging.getLogger("hybridpipe")
+_TAG = "hybridpipe.resume"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain data (loads back with weights_only=True)."""
+    version, state, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [version, list(state), gauss],
+    }
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    """Restore states from `rng_state` (CUDA ones only for the devices both runs have)."""
+    torch.set_rng_state(saved["torch"])
+    if torch.cuda.is_available() and saved["cuda"]:
+        count = min(len(saved["cuda"]), torch.cuda.device_count())
+        torch.cuda.set_rng_state_all(saved["cuda"][:count])
+    version, state, gauss = saved["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `Checkpointer.resume` loaded: the version directory, the steps done before it
+    was saved, the caller's data position, the layout it was saved at and the one it was
+    loaded into ({"stages": ..., "data_parallel": ...}), and the seconds the load took."""
+
+    version: Path
+    step: int
+    data: Any
+    saved_layout: dict[str, int]
+    layout: dict[str, int]
+    seconds: float
+
+    def __str__(self) -> str:
+        def text(layout: dict[str, int]) -> str:
+            return f"stages={layout['stages']} x data_parallel={layout['data_parallel']}"
+
+        return (
+            f"resumed after step {self.step} from {str(self.version)!r} (saved at "
+            f"{text(self.saved_layout)}, loaded at {text(self.layout)}) in {self.seconds:.2f} s"
+        )
+
+
+def _coordinate(pipe: Pipeline) -> tuple[int, int]:
+    ctx = pipe.distributed
+    return (0, 0) if ctx is None else (ctx.layout.dp_rank, ctx.layout.pp_rank)
+
+
+def _layout(pipe: Pipeline) -> dict[str, int]:
+    ctx = pipe.distributed
+    if ctx is None:
+        return {"stages": pipe.stages, "data_parallel": 1}
+    return {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
+
+
+class Checkpointer:
+    """Resume and periodic checkpoints of `pipe` and `optimizer` in directory `path`::
+
+        ckpt = Checkpointer(pipe, "ckpt", optimizer, every=100, keep=2, async_save=True)
+        resumed = ckpt.resume()                 # None when there is no checkpoint yet
+        start = resumed.step if resumed else 0
+        for step in range(start, steps):
+            pipe.zero_grad(); pipe.step(*batch(step)); optimizer.step()
+            ckpt.maybe_save(step + 1, data=...)  # saves after every `every`-th step
+        ckpt.close()                            # the last save is live
+
+    Under torch.distributed every process makes the same calls. `data`: the caller's data
+    position (plain data); with a global batch drawn by step number it is not needed."""
+
+    def __init__(
+        self, pipe: Pipeline, path: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None = None, *, every: int = 100, keep: int = 2,
+        async_save: bool = False,
+    ) -> None:
+        for name, value in (("every", every), ("keep", keep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.pipe, self.path, self.optimizer = pipe, Path(path), optimizer
+        self.every, self.keep, self.async_save = every, keep, async_save
+
+    def resume(self) -> Resumed | None:
+        """Load the live checkpoint of `path` (see the module docstring), or return None
+        when there is none yet. Logged on the "hybridpipe" logger."""
+        started = time.perf_counter()
+        if not (self.path / "current").is_file():
+            return None
+        version, meta = read_checkpoint(self.path)
+        extra = self.pipe.load_checkpoint(self.path, self.optimizer)
+        if not isinstance(extra, dict) or _TAG not in extra:
+            raise ValueError(
+                f"checkpoint {str(self.path)!r} was not written by a Checkpointer (its extra "
+                "has no step and RNG states); load it with pipe.load_checkpoint"
+            )
+        saved = extra[_TAG]
+        states: dict[tuple[int, int], dict[str, Any]] = dict(saved["rng"])
+        set_rng_state(states.get(_coordinate(self.pipe), states[(0, 0)]))
+        resumed = Resumed(
+            version=version, step=saved["step"], data=saved["data"],
+            saved_layout=meta["layout"], layout=_layout(self.pipe),
+            seconds=time.perf_counter() - started,
+        )
+        log.info("hybridpipe: %s", resumed)
+        return resumed
+
+    def maybe_save(self, step: int, data: Any = None) -> bool:
+        """Save if `step` (steps done) is a multiple of `every`; whether it saved."""
+        if step % self.every:
+            return False
+        self.save(step, data)
+        return True
+
+    def save(self, step: int, data: Any = None) -> None:
+        """Save now, as after `step` steps, with the data position `data`."""
+        mine = (_coordinate(self.pipe), rng_state())
+        gathered: list[Any] = [mine]
+        if self.pipe.distributed is not None:
+            world = dist.get_world_size()
+            gathered = [None] * world if dist.get_rank() == 0 else []
+            dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+        extra = {_TAG: {"step": step, "data": data, "rng": gathered}}
+        self.pipe.save_checkpoint(
+            self.path, self.optimizer, extra, keep=self.keep, async_save=self.async_save
+        )
+
+    def close(self) -> None:
+        """Wait until the save in flight (if any) is live; raise its error."""
+        self.pipe.wait_checkpoint()
