@@ -44,11 +44,20 @@ class TokenBatches:
         self.corpus = corpus.long()
         self.batch_size = batch_size
         self.seq_len = seq_len
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draw(self.generator)
+
+    def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of step `step`, drawn from a generator seeded by (seed, step): the same
+        whatever was drawn before, so a resumed run's data position is its step number."""
+        return self._draw(torch.Generator().manual_seed(self.seed * 1_000_003 + step))
+
+    def _draw(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(
-            0, self.corpus.numel() - self.seq_len - 1, (self.batch_size,), generator=self.generator
+            0, self.corpus.numel() - self.seq_len - 1, (self.batch_size,), generator=generator
         )
         offsets = torch.arange(self.seq_len + 1)
         windows = self.corpus[starts[:, None] + offsets[None, :]]

@@ -54,7 +54,7 @@ class AsyncWriter:
         group = None
         if self._ctx is not None:
             if self._group is None:
-                made = dist.new_group(backend="gloo")
+                made = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
                 if not isinstance(made, dist.ProcessGroup):
                     raise RuntimeError("this process is not in the checkpoint's process group")
                 self._group = made
