@@ -233,3 +233,9 @@ def test_checkpointer_refuses_bad_settings_and_foreign_checkpoints(tmp_path: Pat
     pipe.save_checkpoint(tmp_path / "plain", extra={"step": 3})
     with pytest.raises(ValueError, match="was not written by a Checkpointer"):
         Checkpointer(pipe, tmp_path / "plain").resume()
+
+
+def test_auto_stages_need_torchrun() -> None:
+    with pytest.raises(ValueError, match=r'stages="auto" chooses \(stages, data_parallel\) for '
+                                         r"the world size under torchrun"):
+        Pipeline(GPT(vocab=32, dim=16, layers=2, heads=2, max_seq=8), stages="auto")
