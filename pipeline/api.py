@@ -84,10 +84,8 @@ class Pipeline(ModuleLike):
       static, and a later batch that changes one is captured again with it dynamic (one
       process only; under torchrun name the dims here). ``pipe.plan`` lists the dynamic dims.
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
-    - ``stages="auto"`` (under torchrun, with ``example_input`` = the global batch): stages,
-      data_parallel, schedule (unless named) and microbatches chosen for the world size by the
-      auto-planner under ``memory_limit``; each replica takes its share of the global batch
-      (pipeline.elastic.layout), so a restart with fewer processes re-plans.
+    - ``stages="auto"``: under torchrun, (stages, data_parallel, ...) chosen for the world
+      size from the global batch ``example_input`` (pipeline.elastic.layout).
     - ``rebalance``: after the third step, re-partition once from the measured stage costs if
       that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
       Off by default: it changes the stages mid-run on a few noisy measurements, so it is the
@@ -164,13 +162,12 @@ class Pipeline(ModuleLike):
         self.module = model
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
         self._layouts: AutoPlan | None = None
-        if stages == "auto":  # (stages, data_parallel, ...) for this world: pipeline.elastic
+        if stages == "auto":
             auto = choose_layout(
                 model, example_input, schedule=schedule, microbatches=microbatches,
                 virtual_stages=virtual_stages, data_parallel=data_parallel,
                 memory_limit=memory_limit, leaf_modules=leaf_modules,
-                capture_method=capture_method, timeout=resolve_timeout(timeout),
-            )
+                capture_method=capture_method, timeout=resolve_timeout(timeout))
             self._layouts, example_input = auto.plan, auto.example
             stages, data_parallel, schedule, microbatches, virtual_stages = auto.settings
         self.stages = check_settings(
