@@ -1,7 +1,7 @@
 """Autocast regions inside a model's forward, as capture meets them: torch.export records each
 ``with torch.autocast(...)`` block as a ``wrap_with_autocast`` higher-order op (kept whole in
 the flat graph, so it runs as written); torch.fx traces straight through such a block and would
-drop it, so `AutocastSpy` notices the blocks an fx trace enters and `refuse_dropped` turns
+drop it, so `AutocastSpy` notices the blocks an fx trace enters and `dropped` turns
 them into a clear error instead of a silently different model."""
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ class Setup:
         if shapes in self._checked:
             return
         with self.executor.setting_up():
-            recaptured = self.planner.recapture(planned, args, self.executor.coordination)
+            with self.executor.precision.planning(self.executor.devices):
+                recaptured = self.planner.recapture(planned, args, self.executor.coordination)
             if recaptured is not None:
                 self.load(recaptured)
                 self.planned = planned = recaptured
