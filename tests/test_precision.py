@@ -334,6 +334,57 @@ def test_autocast_block_in_forward_refused_by_fx() -> None:
         pipe.step(*batch())
 
 
+class Fp32Island(nn.Module):
+    """Hugging Face's ``maybe_autocast`` pattern: a block that switches autocast off, entered
+    only when autocast is on (so an fp32 capture never sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                h = h.float()
+                h = torch.softmax(h @ h.transpose(-1, -2), -1) @ h
+        else:
+            h = torch.softmax(h @ h.transpose(-1, -2), -1) @ h
+        return self.b(h)
+
+
+def test_autocast_off_block_entered_only_under_autocast_is_captured() -> None:
+    """Capture runs under the Pipeline's autocast, so the fp32 island is in the graph; fx,
+    which would drop it, refuses."""
+    model = Fp32Island()
+    x, y = torch.randn(8, 5, 16), torch.randn(8, 5, 8)
+    fp32 = reference(model, x, y, None)[1]
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, balance="uniform",
+                    mixed_precision=torch.bfloat16)
+    loss = pipe.step(x, y)
+    assert_equal_run(pipe, model, loss, reference(model, x, y, torch.bfloat16), fp32,
+                     "fp32 island")
+    fx = Pipeline(Fp32Island(), stages=2, microbatches=M, loss_fn=mse, balance="uniform",
+                  mixed_precision=torch.bfloat16, capture_method="fx")
+    with pytest.raises(CaptureError, match=r"enabled=False"):
+        fx.step(x, y)
+
+
+def test_recapture_on_a_new_sequence_length_keeps_autocast() -> None:
+    model = res_model()
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, balance="uniform",
+                    mixed_precision=torch.bfloat16)
+    for seq in (4, 6):
+        torch.manual_seed(seq)
+        x, y = torch.randn(8, seq, 16), torch.randn(8, seq, 8)
+        model.zero_grad()
+        loss = pipe.step(x, y)
+        fp32 = reference(model, x, y, None)[1]
+        assert_equal_run(pipe, model, loss, reference(model, x, y, torch.bfloat16), fp32,
+                         f"sequence length {seq}")
+
+
 def test_fx_fallback_logs_exports_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
