@@ -232,7 +232,7 @@ def synthesize(
     *,
     memory_limit: int | Sequence[int],
     virtual_stages: int = 1,
-    time_limit: float = 3.0,
+    time_limit: float = 10.0,
     evaluations: int | None = None,
 ) -> Schedule:
     """A split-backward Schedule for `ranks` x `virtual_stages` stages and `microbatches`

@@ -131,20 +131,25 @@ def test_resynthesis_needs_measured_steps() -> None:
 
 
 def worker_synth(out: Path) -> None:
-    """pp=2 with a synthesised one-chunk and a synthesised V (two-chunk) schedule, 3 steps
-    each, against the unsplit model on every process."""
+    """pp=2 with a synthesised one-chunk and a synthesised V (two-chunk) schedule, and
+    schedule="auto" (planned on rank 0, synthesised candidates included), 3 steps each,
+    against the unsplit model on every process."""
     import torch.distributed as dist
 
     from pipeline.checkpoint import gather_named
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    for v, limit in ((1, 2), (2, 4)):
-        schedule = head_heavy(2, 4, v, limit)
+    for v, limit in ((1, 2), (2, 4), (0, 0)):
         ref = uneven_gpt()
-        pipe = Pipeline(uneven_gpt(), 2, schedule=schedule, loss_fn=lm_loss,
-                        balance="parameters", capture_method="fx")
-        assert pipe.schedule.to_text() == schedule.to_text()
+        if v:
+            schedule = head_heavy(2, 4, v, limit)
+            pipe = Pipeline(uneven_gpt(), 2, schedule=schedule, loss_fn=lm_loss,
+                            balance="parameters", capture_method="fx")
+            assert pipe.schedule.to_text() == schedule.to_text()
+        else:  # "auto": rank 0 plans (synthesised candidates among them), every rank follows
+            pipe = Pipeline(uneven_gpt(), 2, schedule="auto", microbatches=4, loss_fn=lm_loss,
+                            capture_method="fx")
         for step in range(3):
             x, y = batch(step)
             ref.zero_grad()
@@ -160,6 +165,9 @@ def worker_synth(out: Path) -> None:
                 assert sorted(grads) == sorted(params)
                 for k, g in grads.items():
                     torch.testing.assert_close(g, params[k].grad, atol=ATOL, rtol=0, msg=k)
+        if not v and pipe.autoplan is not None:
+            assert any(c.schedule == "synth" for c in pipe.autoplan.candidates)
+            assert pipe.schedule.name == pipe.autoplan.best.schedule
     dist.destroy_process_group()
     print("worker synth: every check ran")
 
