@@ -86,6 +86,11 @@ class Pipeline(ModuleLike):
     - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
     - ``stages="auto"``: under torchrun, (stages, data_parallel, ...) chosen for the world
       size from the global batch ``example_input`` (pipeline.elastic.layout).
+    - ``shard``: how the replicas of each stage share their state (torchrun): None (each keeps
+      everything), "optimizer" (ZeRO-1: each keeps the optimizer state of about
+      1/data_parallel of the parameters) or "full" (FSDP2: parameters, gradients and optimizer
+      state sharded); see pipeline.execution.distributed.shard. Build the optimizer with
+      ``pipe.optimizer(optimizer_class, **kwargs)``.
     - ``rebalance``: after the third step, re-partition once from the measured stage costs if
       that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
       Off by default: it changes the stages mid-run on a few noisy measurements, so it is the
@@ -156,6 +161,7 @@ class Pipeline(ModuleLike):
         capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
         dynamic_dims: Sequence[int] = (), init_fn: InitFn | str | None = None,
         grad_accumulation: str = "atomic",
+        shard: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -177,7 +183,8 @@ class Pipeline(ModuleLike):
         self.grad_accumulation = check_grad_accumulation(grad_accumulation)
         self.checkpoint_activations = checkpoint_activations
         self.timeout = resolve_timeout(timeout)
-        self._executor = executor_for(self.stages, devices, data_parallel, self.timeout)
+        self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard)
+        self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision)
         self._state = ModelState(model, self._executor, self.timeout, init_fn)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from pipeline.checkpoint.background import AsyncWriter
 from pipeline.checkpoint.extra import check_extra
@@ -58,6 +59,7 @@ from pipeline.checkpoint.state import (
     local_state,
 )
 from pipeline.execution.distributed import DistContext, agree
+from pipeline.execution.optimizers import hyperparameters_loaded, local_optimizer
 
 FORMAT = "hybridpipe-checkpoint"
 VERSION = 2
@@ -85,6 +87,7 @@ def _state_to_save(
         return tensors, values, None
     if model is None:
         raise TypeError("saving optimizer state needs model= (to name its parameters)")
+    optimizer = local_optimizer(optimizer)  # ZeRO: the state this replica owns
     names = _param_names(model, optimizer)
     held = _held_names(stage_modules, names)
     flat = get_optimizer_state_dict(model, optimizer, options=FLAT)
@@ -139,7 +142,7 @@ def save_checkpoint(
         if writer is not None:
             writer.wait()  # one save in flight at a time
         name = _agree(_prepare_version(root) if _is_rank0(ctx) else None, ctx)
-        parts = _gather_to_rank0(values, ctx)
+        parts = _gather_to_rank0(values, ctx, replicas=optimizer is not None)
         version = root / name
 
         def discard() -> None:
@@ -290,6 +293,22 @@ def _read(version: Path, buffers: dict[str, Tensor], source: str) -> None:
     ) from failure
 
 
+def _targets(
+    stage_modules: Mapping[int, nn.Module], model: nn.Module | None
+) -> Callable[[str], Tensor | None]:
+    """The tensor a checkpoint key is read into (``model.<key>``: the held state;
+    ``optim.state.<param>.<name>``: the parameter), to read a sharded one's shard only."""
+    state = local_state(stage_modules)
+    params = dict(model.named_parameters()) if model is not None else {}
+
+    def target(key: str) -> Tensor | None:
+        if key.startswith("model."):
+            return state.get(key[len("model."):])
+        return params.get(key[len("optim.state."):].rpartition(".")[0])
+
+    return target
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     stage_modules: Mapping[int, nn.Module],
@@ -323,30 +342,37 @@ def load_checkpoint(
     keys = [f"model.{k}" for k in own]
     flat: dict[str, Any] = {}
     names: dict[int, str] = {}
-    if optimizer is not None:
+    outer, inner = optimizer, None if optimizer is None else local_optimizer(optimizer)
+    if inner is not None:
         if model is None:
             raise TypeError("loading optimizer state needs model= (to name its parameters)")
-        names = _param_names(model, optimizer)
+        names = _param_names(model, inner)
         opt_keys, flat = _optimizer_plan(
-            source, meta, stored, optimizer, names, _held_names(stage_modules, names)
+            source, meta, stored, inner, names, _held_names(stage_modules, names)
         )
         keys += opt_keys
+    targets = _targets(stage_modules, model)
     buffers: dict[str, Any] = {}
     for key in keys:
         item = stored[key]
         if not isinstance(item, TensorStorageMetadata):
             raise ValueError(f"{source} holds {key!r} as bytes, not a tensor; it was damaged")
-        buffers[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        like = targets(key)
+        if isinstance(like, DTensor) and tuple(like.shape) == tuple(item.size):
+            buffers[key] = torch.empty_like(like, dtype=item.properties.dtype)  # its shard
+        else:
+            buffers[key] = torch.empty(item.size, dtype=item.properties.dtype)
     if buffers:
         _read(version, buffers, source)
     # Everything is checked and read: change the optimizer, then the stages.
-    if optimizer is not None and model is not None:
+    if outer is not None and inner is not None and model is not None:
         flat.update({k[len("optim."):]: v for k, v in buffers.items() if k.startswith("optim.")})
         set_optimizer_state_dict(
-            model, optimizer,
-            _nested(flat, optimizer, names, _held_names(stage_modules, names)),
+            model, inner,
+            _nested(flat, inner, names, _held_names(stage_modules, names)),
             options=NESTED,
         )
+        hyperparameters_loaded(outer)
     state = {k[len("model."):]: v for k, v in buffers.items() if k.startswith("model.")}
     load_state_dict(stage_modules, state, spec, strict=False, source=source, model=model)
     return meta["extra"]

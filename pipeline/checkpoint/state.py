@@ -10,8 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed import DistContext
+from pipeline.execution.distributed.shard import laid_out_as
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -71,10 +73,18 @@ def check_state_dict(
         )
 
 
-def _gather_to_rank0(part: dict[str, Any], ctx: DistContext | None) -> list[dict[str, Any]] | None:
-    """Every pipeline rank's `part` (replica 0) on global rank 0, None elsewhere."""
+def _gather_to_rank0(
+    part: dict[str, Any], ctx: DistContext | None, *, replicas: bool = False
+) -> list[dict[str, Any]] | None:
+    """Every pipeline rank's `part` (replica 0's; every process's with `replicas`, for state
+    the replicas hold different shares of) on global rank 0, None elsewhere."""
     if ctx is None:
         return [part]
+    if replicas and ctx.layout.data_parallel > 1:
+        every: list[Any] = [None] * ctx.layout.world_size if ctx.layout.rank == 0 else []
+        with ctx.guard("state gather"):
+            dist.gather_object(part, every if ctx.layout.rank == 0 else None, dst=0)
+        return every if ctx.layout.rank == 0 else None
     if ctx.layout.dp_rank != 0:
         return None
     if ctx.layout.stages == 1:
@@ -88,6 +98,10 @@ def _gather_to_rank0(part: dict[str, Any], ctx: DistContext | None) -> list[dict
 
 
 def _cpu(t: Tensor) -> Tensor:
+    """A CPU copy of the whole of `t` (a sharded DTensor is all-gathered over its replicas:
+    every process calls this for the same keys in the same order)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
 
 
@@ -132,11 +146,12 @@ def load_state_dict(
 ) -> None:
     """Load a whole-model state dict into the stages held here (any layout). Checks the keys
     and shapes against the whole model first; meta tensors are replaced by the loaded ones,
-    in `model` too (the stages' own attribute copies would otherwise part from it)."""
+    in `model` too (the stages' own attribute copies would otherwise part from it); a
+    sharded (shard="full") parameter takes this process's shard of its whole value."""
     check_state_dict(state_dict, spec, strict=strict, source=source)
     for module in stage_modules.values():
         own = module.state_dict(keep_vars=True)
-        part = {k: state_dict[k] for k in own if k in state_dict}
+        part = {k: laid_out_as(own[k], state_dict[k]) for k in own if k in state_dict}
         on_meta = any(t.is_meta for t in own.values())
         with torch.no_grad():
             # strict=False: the stage's own keys are a subset of the whole model's, checked above.

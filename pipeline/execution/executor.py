@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from partitioner import StageModule
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
+from pipeline.execution.optimizers import build_optimizer
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.planning.microbatch import (
@@ -38,11 +39,13 @@ if TYPE_CHECKING:
 class Executor(ABC):
     """Runs a planned pipeline. `devices[r]`: the device of pipeline rank r (as this process
     sees it); `coordination`: how this executor's processes plan together; `context`: the
-    process groups under torch.distributed, else None."""
+    process groups under torch.distributed, else None; `shard`: how data-parallel replicas
+    share their state (pipeline.execution.distributed.shard; None in one process)."""
 
     devices: list[torch.device]
     coordination: Coordination
     context: DistContext | None = None
+    shard: str | None = None
 
     def __init__(self) -> None:
         self.planned: Planned | None = None
@@ -139,6 +142,13 @@ class Executor(ABC):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters this process trains, under the model's names."""
         return model.named_parameters(prefix, recurse)
+
+    def make_optimizer(
+        self, params: Sequence[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
+        **kwargs: Any,
+    ) -> torch.optim.Optimizer:
+        """The optimizer of this process's `params` (here a plain one)."""
+        return build_optimizer(None, params, optimizer_class, None, **kwargs)
 
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool

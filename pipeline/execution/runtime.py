@@ -166,6 +166,11 @@ class RankRuntime:
         finally:
             self._end()
 
+    def rebind(self) -> None:
+        """Re-read where the stage modules hold their parameters, for a step whose parameters
+        were put in the modules since (FSDP2 swaps its gathered and sharded ones)."""
+        self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
+
     @contextmanager
     def step_leaves(self) -> Iterator[None]:
         """The training step's private leaves (see the module docstring) in this rank's stage

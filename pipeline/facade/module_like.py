@@ -38,6 +38,18 @@ class ModuleLike:
         """The model's parameters under their original names (this process's, as above)."""
         return self._executor.named_parameters(self.module, prefix, recurse)
 
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """``optimizer_class(pipe.parameters(), **kwargs)`` as the shard mode needs it: plain
+        (shard=None; "full", whose parameters are sharded DTensors, so the state is too) or
+        torch's ZeroRedundancyOptimizer of it over the replicas ("optimizer"). With a shard
+        mode, call it once the plan is made (example_input=..., or after the first step); a
+        plain optimizer instead is an error at its first step where it would be silently
+        wrong ("full", built before the plan) and a warning where it would keep the whole
+        state ("optimizer"). Checkpoints take it and load across modes and layouts."""
+        return self._executor.make_optimizer(list(self.parameters()), optimizer_class, **kwargs)
+
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:

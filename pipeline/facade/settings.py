@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.execution.distributed import DistributedExecutor
+from pipeline.execution.distributed.shard import check_shard
 from pipeline.execution.executor import Executor
 from pipeline.execution.local import LocalExecutor, resolve_devices
 
@@ -53,14 +54,22 @@ def executor_for(
     devices: Sequence[str | torch.device] | None,
     data_parallel: int | None,
     timeout: float,
+    shard: object = None,
 ) -> Executor:
     """The distributed executor inside torchrun (torch.distributed initialised), else the
-    local one."""
+    local one (without `shard`: sharding needs data-parallel replicas)."""
+    shard = check_shard(shard)
+    if shard is not None and not dist.is_initialized():
+        raise ValueError(
+            f"shard={shard!r} shards state over data-parallel replicas, which needs the "
+            "distributed executor: launch with torchrun (torch.distributed initialised), "
+            "or drop shard"
+        )
     if dist.is_initialized():
         if devices is not None:
             raise ValueError(
                 f"devices={devices!r} cannot be used under torch.distributed: each process "
                 "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
             )
-        return DistributedExecutor(stages, data_parallel, timeout=timeout)
+        return DistributedExecutor(stages, data_parallel, timeout=timeout, shard=shard)
     return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)

@@ -58,7 +58,7 @@ class Setup:
         executor.coordination.agree("the settings check", settings=pipeline_settings(
             stages=stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
             schedule=schedule, built=planner.schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, loss_fn=loss_fn, model=model,
+            virtual_stages=virtual_stages, loss_fn=loss_fn, model=model, shard=executor.shard,
         ))
         return cls(model, executor, planner, load)
 

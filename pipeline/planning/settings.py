@@ -43,6 +43,7 @@ FIXES: dict[str, str] = {
     "input dtypes": "give every process inputs of the same structure and dtypes (the same "
     "data pipeline and collate function everywhere)",
     "model parameters": "build the same model (same code and config) on every process",
+    "shard": "pass the same shard=... (None, 'optimizer' or 'full') on every process",
 }
 
 
@@ -88,6 +89,7 @@ def pipeline_settings(
     virtual_stages: int | str | None,
     loss_fn: object,
     model: nn.Module,
+    shard: str | None = None,
 ) -> dict[str, Setting | None]:
     """The settings of `Pipeline(...)` that every process must share. `schedule` is the
     argument as given, `built` the Schedule when it is known already."""
@@ -106,6 +108,7 @@ def pipeline_settings(
         "loss weighting": Setting(
             f"{_loss_text(loss_fn)}, each microbatch weighted by its share of the batch"),
         "model parameters": model_setting(model),
+        "shard": Setting(repr(shard)),
     }
 
 

@@ -4,7 +4,7 @@ It runs the shared `RankRuntime` over a `P2PTransport`, averages gradients over 
 parameters tied across pipeline ranks (`TieSync`), agrees on each step's batch shapes with its
 pipeline (`StepAgreement`, step_agreement.py), and ends each step with the loss on every process
 and the pipeline's trace on global rank 0 (`StepEnd`, step_end.py); `clip_grad_norm_` clips by
-the whole model's norm.
+the whole model's norm. ``shard=`` shards the replicas' state (`Sharding`, shard.py).
 
 Shapes. Tensor shapes and dtypes crossing ranks come from running the plan: at the first step
 (and whenever the batch's shapes change) each message is preceded by a small metadata message,
@@ -40,12 +40,14 @@ from pipeline.execution.distributed.gradsync import (
     sync_replicas,
 )
 from pipeline.execution.distributed.p2p import MAX_MICROBATCHES, MAX_STAGES, P2PTransport
+from pipeline.execution.distributed.shard import Sharding
 from pipeline.execution.distributed.step_agreement import StepAgreement
 from pipeline.execution.distributed.step_end import StepEnd
 from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor, meta_message, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
+from pipeline.execution.optimizers import local
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.planner import Coordination, Planned
@@ -71,10 +73,13 @@ class DistributedExecutor(Executor):
         gather_trace: bool = True,
         bucket_bytes: int | None = None,
         prefetch: int = 2,
+        shard: str | None = None,
     ) -> None:
         super().__init__()
         ctx = DistContext(stages, data_parallel, timeout=timeout)
         self.context: DistContext = ctx
+        self.sharding = Sharding(shard, ctx)
+        self.shard = self.sharding.shard
         self.layout = ctx.layout
         self.devices = [ctx.device] * stages
         self.coordination = Coordination(
@@ -136,7 +141,7 @@ class DistributedExecutor(Executor):
             self.grads = GradSync(
                 self.context,
                 {
-                    s: list(self._mine[s].parameters())
+                    s: self.sharding.averaged(self._mine[s].parameters())
                     for s in finish_order(self._schedule, self.layout.pp_rank)
                 },
                 bucket_bytes=self.bucket_bytes,
@@ -161,6 +166,7 @@ class DistributedExecutor(Executor):
         if self.ties is not None:
             self.ties.rebind(self.planned.model)
             self.ties.start()
+        self.sharding.attach(self.planned.model, self._mine, self.ties)
 
     def held(self) -> dict[int, StageModule]:
         return dict(self._mine)
@@ -185,6 +191,11 @@ class DistributedExecutor(Executor):
                 raise ValueError(meta_message(names, self.layout.describe()))
         agreement.sync("the check for meta tensors")
         self.weights_checked = True
+    def make_optimizer(
+        self, params: Sequence[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
+        **kwargs: Any,
+    ) -> torch.optim.Optimizer:
+        return self.sharding.make_optimizer(params, optimizer_class, **kwargs)
 
     @property
     def holds_first_stage(self) -> bool:
@@ -211,10 +222,11 @@ class DistributedExecutor(Executor):
     ) -> Tensor:
         """The norm over the whole model: each pipeline rank's share (a tied parameter counted
         on the lowest rank holding it) combined over the pipeline's group; the replicas hold
-        equal gradients after the average, so each gets the same norm."""
+        equal gradients after the average, so each gets the same norm (sharded gradients:
+        each process's shards, combined over every process)."""
         params = [p for _, p in self.named_parameters(model)]
         copies = self.ties.copies() if self.ties is not None else set()
-        share = get_total_norm([p.grad for p in params if p.grad is not None
+        share = get_total_norm([local(p.grad) for p in params if p.grad is not None
                                 and id(p) not in copies], norm_type)
         share = share.to(self.context.device, torch.float64)
         inf = norm_type == float("inf")
@@ -222,7 +234,7 @@ class DistributedExecutor(Executor):
             share = share.pow(norm_type)
         with self.context.guard("gradient norm"):
             work = dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                                   group=self.context.pp_group, async_op=True)
+                                   group=self.sharding.norm_group, async_op=True)
             self.context.wait_work(work, None, "the gradient norm")
         total = share if inf else share.pow(1.0 / norm_type)
         if error_if_nonfinite and not bool(total.isfinite()):
@@ -260,6 +272,7 @@ class DistributedExecutor(Executor):
                 ending, early = self.ending, self._tags_match  # gloo: post the receives now
                 pending = ending.receives(schedule, total, holds_last=last) if early else []
                 self.buffer_sync.begin()
+                self.sharding.gather(self.runtime.rebind)
                 with self.runtime.step_leaves():
                     result = self.runtime.run_step(inputs, targets, loss_weights)
                 if last:
@@ -271,7 +284,9 @@ class DistributedExecutor(Executor):
                 self.transport.finish()
             except BaseException:
                 self.transport.abandon()
+                self.sharding.release()
                 raise
+            self.sharding.reduce()
             self.grads.finish()
             if self.ties is not None:
                 self.ties.finish()
@@ -286,12 +301,16 @@ class DistributedExecutor(Executor):
             key, count = self.agreement.agree_key(self._schedule, "forward", count, inputs)
             self.transport.begin(key, self.agreement.messages(self._schedule, "forward", count))
             self.buffer_sync.begin()
+            self.sharding.gather(self.runtime.rebind)
             try:
-                result = self.runtime.run_forward(inputs, count, grad=torch.is_grad_enabled())
+                grad = self.sharding.forward_grad(torch.is_grad_enabled())
+                result = self.runtime.run_forward(inputs, count, grad=grad)
                 self.transport.finish()
             except BaseException:
                 self.transport.abandon()
                 raise
+            finally:
+                self.sharding.release()
             self.buffer_sync.finish()
         if not self.holds_last_stage:
             return []

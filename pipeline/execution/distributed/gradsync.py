@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed.context import DistContext
 from scheduler import Op, Schedule
@@ -122,10 +123,12 @@ def _from_replica_0(ctx: DistContext, tensors: Sequence[Tensor], what: str) -> N
 def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
     """Copy replica 0's parameters and buffers of these stages to the other replicas (as DDP
     does at construction), so replicas start equal even when processes seeded differently.
-    Meta tensors (weights still to be loaded) are skipped."""
+    Meta tensors (weights still to be loaded) and sharded ones (each replica holds its own
+    shard) are skipped."""
     if ctx.layout.data_parallel == 1:
         return
-    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta]
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())
+               if not t.is_meta and not isinstance(t, DTensor)]
     _from_replica_0(ctx, tensors, "replica 0's weights")
 
 

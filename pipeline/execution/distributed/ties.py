@@ -4,7 +4,9 @@ average, sums its gradient over one process group per tie and replica (as Megatr
 embedding group), so each copy gets the whole model's gradient and steps identically.
 
 One process holds one copy (its stage modules share the Parameter object), so a tie between
-stages of the same rank needs nothing here; the optimizer sees each parameter once."""
+stages of the same rank needs nothing here; the optimizer sees each parameter once. Under
+``shard="full"`` each copy is a DTensor sharded alike over its replicas (same shape, same
+dp size), so the copies' local shards are kept equal and summed shard by shard."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.optimizers import local
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class TieSync:
 
     def rebind(self, model: nn.Module) -> None:
         """Take the model's current Parameter objects (a meta model's were replaced when its
-        stages were loaded or initialised)."""
+        stages were loaded or initialised; shard="full" replaces them by sharded ones)."""
         params = dict(model.named_parameters())
         self.mine = [(params[name], group, src)
                      for name, (_, group, src) in zip(self.names, self.mine, strict=True)]
@@ -80,7 +83,7 @@ class TieSync:
             for p, group, src in self.mine:
                 if p.is_meta:
                     continue
-                work = dist.broadcast(p.data, src=src, group=group, async_op=True)
+                work = dist.broadcast(local(p.data), src=src, group=group, async_op=True)
                 self.ctx.wait_work(work, None, "a tied parameter's value")
 
     def finish(self) -> None:
@@ -92,6 +95,6 @@ class TieSync:
             for p, group, _ in self.mine:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                pending.append(dist.all_reduce(p.grad, group=group, async_op=True))
+                pending.append(dist.all_reduce(local(p.grad), group=group, async_op=True))
             for work in pending:
                 self.ctx.wait_work(work, None, "a tied parameter's gradient")

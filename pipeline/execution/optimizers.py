@@ -1,0 +1,139 @@
+"""Optimizers for each shard mode (the optimizer side of pipeline.execution.distributed.shard):
+`build_optimizer` makes the optimizer a shard mode needs (``Pipeline.optimizer``: plain, or
+torch's `ZeroRedundancyOptimizer` over the "dp" group for ZeRO-1), `local_optimizer` the one
+whose state this process holds (ZeRO's inner one: what checkpoints save and load), and
+`OptimizerCheck` catches, at its first step, an optimizer that would be silently wrong or
+silently unsharded."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+if TYPE_CHECKING:  # execution.distributed imports this module
+    from pipeline.execution.distributed.context import DistContext
+    from pipeline.execution.distributed.shard import FullShard
+
+
+def local(t: Tensor) -> Tensor:
+    """This process's part of `t` (a DTensor's local shard; `t` itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_optimizer(
+    shard: str | None,
+    params: Iterable[nn.Parameter],
+    optimizer_class: type[torch.optim.Optimizer],
+    ctx: DistContext | None,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    """The optimizer for `shard`: ``optimizer_class(params, **kwargs)`` (None, "full": the
+    state follows the DTensor parameters' sharding), or a `ZeroRedundancyOptimizer` of it over
+    the "dp" group ("optimizer")."""
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}; "
+            "pass the class itself, e.g. pipe.optimizer(torch.optim.AdamW, lr=1e-3)"
+        )
+    params = list(params)
+    if shard != "optimizer" or ctx is None:
+        return optimizer_class(params, **kwargs)
+    with ctx.guard("building the sharded optimizer"):
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=optimizer_class, process_group=ctx.dp_group, **kwargs
+        )
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this process holds: ZeRO's inner one over the parameters
+    this replica owns; `optimizer` itself otherwise."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        inner: torch.optim.Optimizer = optimizer.optim
+        return inner
+    return optimizer
+
+
+def hyperparameters_loaded(optimizer: torch.optim.Optimizer) -> None:
+    """After loading into ZeRO's inner optimizer: copy its hyper-parameters to the outer
+    param groups (ZeRO copies outer to inner at each step, which would undo the load)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups,
+                                strict=True):
+            outer.update({k: v for k, v in inner.items() if k != "params"})
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this process holds (local shards of DTensors)."""
+    return sum(
+        local(v).numel() * v.element_size()
+        for state in local_optimizer(optimizer).state.values()
+        for v in state.values() if isinstance(v, Tensor)
+    )
+
+
+class Sharded(Protocol):
+    """What `OptimizerCheck` reads of the `Sharding`: the held stages and its `FullShard`."""
+
+    full: FullShard | None
+
+    def held(self) -> Mapping[int, nn.Module]: ...
+
+
+class OptimizerCheck:
+    """A step pre-hook (every optimizer's, as torch registers it) that, for the parameters of
+    one executor's stages, stops an optimizer that would be silently wrong and warns of one
+    that would be silently unsharded, at its first step:
+
+    - it holds parameters that ``shard="full"`` replaced by sharded ones (built before the plan
+      was made): its steps would change nothing the pipeline runs: ValueError;
+    - under ``shard="optimizer"``, a plain optimizer over the pipeline's parameters: correct
+      (the gradients are all-reduced) but every replica keeps the whole state: UserWarning.
+
+    The fix named in both: ``pipe.optimizer(optimizer_class, **kwargs)`` once the plan is made.
+    The executor is held weakly; the hook is removed with it."""
+
+    def __init__(self, shard: str, executor: Sharded) -> None:
+        self.shard = shard
+        self.executor = weakref.ref(executor)  # the hook lives in torch's global registry
+        self.made: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        handle = register_optimizer_step_pre_hook(self)
+        weakref.finalize(executor, handle.remove)
+
+    def allow(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer` was made by `build_optimizer` for this executor's stages."""
+        self.made.add(optimizer)
+        self.made.add(local_optimizer(optimizer))
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        executor = self.executor()
+        if executor is None or optimizer in self.made or optimizer in self.seen:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        kind = type(local_optimizer(optimizer)).__name__
+        fix = (f"build it with pipe.optimizer({kind}, ...) once the plan is "
+               "made (pass example_input=... to Pipeline, or call it after the first step)")
+        full = executor.full
+        if full is not None and any(full.stale.get(id(p)) is p for p in params):
+            raise ValueError(
+                f"this {type(optimizer).__name__} holds parameters that shard='full' replaced by "
+                "sharded DTensors, so its steps would not change the model the pipeline runs; "
+                + fix
+            )
+        own = {id(p) for m in executor.held().values() for p in m.parameters()}
+        if self.shard == "optimizer" and any(id(p) in own for p in params):
+            warnings.warn(
+                f"shard='optimizer', but this {type(optimizer).__name__} keeps the whole "
+                "optimizer state of this process's parameters on every replica (correct, not "
+                "sharded); " + fix, UserWarning, stacklevel=3,
+            )
+        self.seen.add(optimizer)
