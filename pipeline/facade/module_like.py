@@ -135,9 +135,10 @@ class ModuleLike:
         self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
         """Load a checkpoint from `save_checkpoint` (any layout) into this process's stages
-        and `optimizer` (build it over ``pipe.parameters()`` first); returns the saved extra.
-        All or nothing: a checkpoint of another model or optimizer (type, param groups) is a
-        ValueError that changes nothing."""
+        and `optimizer` (build it first, with ``pipe.optimizer(...)``, or over
+        ``pipe.parameters()`` without shard=; any shard mode loads any other's); returns the
+        saved extra. All or nothing: a checkpoint of another model or optimizer (type, param
+        groups) is a ValueError that changes nothing."""
         return self._state.load_checkpoint(path, optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

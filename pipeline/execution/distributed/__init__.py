@@ -6,7 +6,8 @@ before any tensor moves, setup failures named; `SettingsMismatch`), `context` (p
 + failure protocol + agreement = `DistContext`; `agree` for checkpoints), `p2p` (wire format
 and the point-to-point `Transport`), `gradsync` (replica gradient averaging), `ties`
 (parameters tied across pipeline ranks), `step_agreement` (each step's batch-shape key and call,
-agreed within a pipeline), `step_end` (the loss on every rank, the trace on global rank 0) and
+agreed within a pipeline), `step_end` (the loss on every rank, the trace on global rank 0),
+`shard` (ZeRO-1 / FSDP2 sharding of the replicas' state, ``Pipeline(shard=...)``) and
 `executor` (`DistributedExecutor`, which runs the shared `RankRuntime`).
 
 Naming: a *rank* is a process; its *pipeline rank* is its "pp" coordinate (which stages it
