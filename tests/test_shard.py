@@ -3,9 +3,10 @@ gloo processes launched as torchrun does, against the unsplit model in float64: 
 loss, every gathered gradient, the clipped gradient norm and the weights after AdamW steps
 equal the single-process run, for several schedules, on a GPT and on Hugging Face GPT-2 with
 its tied embedding / LM head (tied across ranks under 1F1B, on one rank under ZB-V); the
-optimizer state (ZeRO-1) or everything (FSDP2) is really sharded; a checkpoint saved under
-FSDP2 at pp=2 x dp=2 loads under ZeRO-1 at pp=1 x dp=4, whose checkpoint loads unsharded at
-pp=4, each run continuing the reference's losses; a plain optimizer where it would be wrong
+optimizer state (ZeRO-1) or everything (FSDP2) is really sharded. Checkpoints across layouts
+and modes: FSDP2 at pp=2 x dp=2 -> ZeRO-1 at pp=1 x dp=4 -> unsharded at pp=4 -> FSDP2 again
+(into DTensor shards), each run continuing the reference's losses; a whole state dict loads
+into shards (pipe(x) then equals the reference). A plain optimizer where it would be wrong
 (shard="full") is an error, where it would be unsharded (shard="optimizer") a warning; bad
 shard values are rejected. This file is also the worker: ``python tests/test_shard.py shard
 OUT_DIR``."""
@@ -102,6 +103,17 @@ class Run:
                 torch.testing.assert_close(state[k], v, atol=ATOL, rtol=0,
                                            msg=f"{self.label}: weight {k} after the steps")
 
+    def check_forward(self) -> None:
+        """pipe(x) (no graph) equals the reference on the last stage's processes."""
+        x, _ = self.batch(0)
+        with torch.no_grad():
+            out = self.pipe(_rows(x, self.d, self.dp))
+            want = _call(self.ref, _rows(x, self.d, self.dp))
+        if self.pipe.holds_last_stage:
+            torch.testing.assert_close(out, want, atol=ATOL, rtol=0, msg=f"{self.label}: pipe(x)")
+        else:
+            assert out is None, self.label
+
     def check_sharded(self) -> None:
         """Each replica holds about half of the state the shard mode shards, and the replicas'
         parts make up the whole: ZeRO's inner optimizer owns a disjoint share of this rank's
@@ -182,8 +194,9 @@ def _equal_runs() -> None:
 
 
 def _checkpoint_across_layouts(out: Path) -> None:
-    """FSDP2 pp=2 x dp=2 -> ZeRO-1 pp=1 x dp=4 -> unsharded pp=4: each run continues the
-    reference run (AdamW state and hyper-parameters come from the checkpoint)."""
+    """FSDP2 pp=2 x dp=2 -> ZeRO-1 pp=1 x dp=4 -> unsharded pp=4 -> FSDP2 pp=2 x dp=2: each
+    run continues the reference run (AdamW state and hyper-parameters come from the
+    checkpoint); a whole state dict loaded into FSDP2 shards."""
     ref = make_model()
     a = Run(_pipe(make_model(), 2, "1f1b", "full", lm_loss, _gpt_batch(0)[0]), ref,
             _gpt_batch, lm_loss, "GPT checkpoint")
@@ -206,6 +219,20 @@ def _checkpoint_across_layouts(out: Path) -> None:
     for step in range(4, 6):
         c.step(step)
     c.check_weights()
+    c.pipe.save_checkpoint(out / "plain", optimizer=c.opt)
+    d = Run(_pipe(make_model(seed=9), 2, "zb-h1", "full", lm_loss, _gpt_batch(0)[0]), ref,
+            _gpt_batch, lm_loss, "GPT resumed sharded")
+    d.ref_opt = a.ref_opt
+    d.pipe.load_checkpoint(out / "plain", optimizer=d.opt)  # into DTensor shards
+    for step in range(6, 8):
+        d.step(step)
+    d.check_weights()
+    d.check_forward()
+    e = Run(_pipe(make_model(seed=10), 2, "1f1b", "full", lm_loss, _gpt_batch(0)[0]), ref,
+            _gpt_batch, lm_loss, "GPT state dict into shards")
+    e.pipe.load_state_dict(ref.state_dict())  # whole tensors: each process takes its shard
+    e.check_weights()
+    e.check_forward()
 
 
 def _wrong_optimizers() -> None:
