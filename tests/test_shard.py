@@ -6,7 +6,8 @@ its tied embedding / LM head (tied across ranks under 1F1B, on one rank under ZB
 optimizer state (ZeRO-1) or everything (FSDP2) is really sharded. Checkpoints across layouts
 and modes: FSDP2 at pp=2 x dp=2 -> ZeRO-1 at pp=1 x dp=4 -> unsharded at pp=4 -> FSDP2 again
 (into DTensor shards), each run continuing the reference's losses; a whole state dict loads
-into shards (pipe(x) then equals the reference). A plain optimizer where it would be wrong
+into shards (pipe(x) then equals the reference), and into a meta model's stages, which are
+sharded then. A plain optimizer where it would be wrong
 (shard="full") is an error, where it would be unsharded (shard="optimizer") a warning; bad
 shard values are rejected. This file is also the worker: ``python tests/test_shard.py shard
 OUT_DIR``."""
@@ -233,6 +234,16 @@ def _checkpoint_across_layouts(out: Path) -> None:
     e.pipe.load_state_dict(ref.state_dict())  # whole tensors: each process takes its shard
     e.check_weights()
     e.check_forward()
+    # A meta model is sharded once its weights are loaded; its optimizer can only come after.
+    with torch.device("meta"):
+        meta_model = make_model()
+    pipe = _pipe(meta_model, 2, "1f1b", "full", lm_loss, _gpt_batch(0)[0].to("meta"))
+    with pytest.raises(ValueError, match="meta device"):
+        pipe.optimizer(torch.optim.AdamW)
+    pipe.load_state_dict(ref.state_dict())
+    f = Run(pipe, ref, _gpt_batch, lm_loss, "GPT from meta")  # fresh AdamW on both
+    f.step(8)
+    f.check_weights()
 
 
 def _wrong_optimizers() -> None:

@@ -206,6 +206,12 @@ class Sharding:
                 "share of the parameters): pass example_input=... to Pipeline, or call it after "
                 "the first step"
             )
+        if self.shard == "full" and self.full is None:
+            raise ValueError(
+                "pipe.optimizer(...) with shard='full' needs the stages' weights (the model is "
+                "on the meta device): load them (load_state_dict / load_checkpoint) or "
+                "initialise them (init_fn=...) first"
+            )
         made = build_optimizer(self.shard, params, optimizer_class, self.ctx, **kwargs)
         if self.check is not None:
             self.check.allow(made)
