@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from partitioner import Plan, StageModule
 from pipeline.elastic.layout import choose_layout
 from pipeline.execution.materialize import InitFn
-from pipeline.execution.precision import make_precision
+from pipeline.execution.precision import make_precision, warn_low_precision_parameters
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
 from pipeline.facade.measurement import Measurement
@@ -187,6 +187,7 @@ class Pipeline(ModuleLike):
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision)
+        warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._state = ModelState(model, self._executor, self.timeout, init_fn)
         self._setup = Setup.plan_for(
             model, self._executor, self._load, self.stages, schedule=schedule,

@@ -195,6 +195,19 @@ def test_caller_autocast_refused_or_agreeing() -> None:
                      "autocast around step")
 
 
+def test_a_model_cast_to_bf16_is_told_about_master_weights(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="hybridpipe"):
+        Pipeline(res_model().to(torch.bfloat16), stages=2, microbatches=M, loss_fn=mse)
+    assert "no fp32 master weights" in caplog.text and "mixed_precision=" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridpipe"):
+        Pipeline(res_model(), stages=2, microbatches=M, loss_fn=mse,
+                 mixed_precision=torch.bfloat16)
+    assert "master weights" not in caplog.text
+
+
 def test_bad_mixed_precision_values() -> None:
     with pytest.raises(TypeError, match="mixed_precision must be"):
         Pipeline(res_model(), stages=2, mixed_precision="bf16")  # type: ignore[arg-type]

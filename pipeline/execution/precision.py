@@ -11,6 +11,7 @@ is the Pipeline's ``mixed_precision=`` and a caller's autocast must agree with i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from pipeline.execution.loss_scale import LossScaler, Stepper
 
+log = logging.getLogger("hybridpipe")
 DTYPES = (torch.bfloat16, torch.float16)
 _LOW = frozenset(DTYPES)
 
@@ -160,6 +162,20 @@ class Precision:
             for t in active:
                 stack.enter_context(torch.autocast(t, enabled=False))
             yield
+
+
+def warn_low_precision_parameters(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """A model cast to bf16/fp16 as a whole trains without fp32 master weights: its grads,
+    optimizer state and gradient average are low precision too. Say so, once per Pipeline."""
+    low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in _LOW})
+    if low:
+        log.warning(
+            "hybridpipe: the model's parameters are %s, so its gradients, optimizer state and "
+            "data-parallel gradient average are too (no fp32 master weights)%s",
+            " and ".join(low),
+            "" if dtype is not None else "; keep the model in fp32 and pass "
+            "mixed_precision=torch.bfloat16 (or float16) to Pipeline instead",
+        )
 
 
 def make_precision(dtype: object) -> Precision:
