@@ -137,8 +137,9 @@ class Pipeline(ModuleLike):
     instead of ``opt.step()`` (see pipeline.execution.precision and loss_scale). The caller's
     own ``torch.autocast`` (thread-local; it would not reach the worker threads) must agree
     with ``mixed_precision`` or the call raises; autocast blocks inside forward are kept by
-    torch.export capture and refused by torch.fx. Grad mode is handled: ``pipe(x)`` under
-    ``torch.no_grad()`` builds no graph.
+    torch.export capture and refused by torch.fx. ``reduce_dtype=torch.bfloat16`` sends and
+    sums the data-parallel gradient average in bf16 (default fp32). Grad mode is handled:
+    ``pipe(x)`` under ``torch.no_grad()`` builds no graph.
 
     BatchNorm in train mode normalises each microbatch with its own statistics and updates
     the running statistics once per microbatch, so it differs from a whole-batch run (as in
@@ -161,7 +162,7 @@ class Pipeline(ModuleLike):
         capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
         dynamic_dims: Sequence[int] = (), init_fn: InitFn | str | None = None,
         grad_accumulation: str = "atomic",
-        shard: str | None = None,
+        shard: str | None = None, reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -186,7 +187,7 @@ class Pipeline(ModuleLike):
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
-        self._executor.precision = make_precision(mixed_precision)
+        self._executor.precision = make_precision(mixed_precision, reduce_dtype)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._state = ModelState(model, self._executor, self.timeout, init_fn)
         self._setup = Setup.plan_for(

@@ -213,6 +213,8 @@ def test_bad_mixed_precision_values() -> None:
         Pipeline(res_model(), stages=2, mixed_precision="bf16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mixed_precision=None"):
         Pipeline(res_model(), stages=2, mixed_precision=torch.float32)
+    with pytest.raises(TypeError, match="reduce_dtype must be"):
+        Pipeline(res_model(), stages=2, reduce_dtype=torch.float64)
 
 
 # -- fp16 loss scaling ---------------------------------------------------------------------------

@@ -4,7 +4,8 @@ the unsplit model run replica by replica, microbatch by microbatch under the sam
 (fp32 parameters, fp32 loss; the replicas' gradients averaged), and differ from the fp32 run;
 the same for Hugging Face GPT-2 (tied embedding / LM head across the ranks) and Llama. fp16: an
 overflow injected in stage 0 of replica 1 only makes every process skip its optimizer step and
-halve its scale (the stage-1 processes found no inf themselves).
+halve its scale (the stage-1 processes found no inf themselves). `reduce_dtype=torch.bfloat16`
+averages the replicas' gradients in bf16.
 
 Tolerances as in tests/test_precision.py (bitwise gradients; a tied parameter to one fp32
 rounding); the loss to 1e-6 relative, since the distributed executor sums the microbatch losses
@@ -113,6 +114,36 @@ def _overflow_in_one_replica() -> None:
     assert pipe.optimizer_step(opt)  # clean again: every process steps
 
 
+def _bf16_gradient_average() -> None:
+    """reduce_dtype=torch.bfloat16: the replicas' gradients are summed as bf16 (each rounded
+    to bf16, the sum rounded once: two replicas), then halved in fp32."""
+    from pipeline import Pipeline
+    from pipeline.checkpoint import gather_named
+    from tests.test_precision import M, batch, mse, reference, res_model
+
+    model = res_model()
+    base = copy.deepcopy(model)
+    x, y = batch(0, 2 * ROWS)
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, balance="uniform",
+                    mixed_precision=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    ctx = pipe.distributed
+    assert ctx is not None
+    d = ctx.layout.dp_rank
+    pipe.step(_rows(x, d), _rows(y, d))
+    runs = [reference(base, _rows(x, r), _rows(y, r), torch.bfloat16)[1] for r in range(2)]
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().float()
+
+    want = {k: bf16(bf16(g) + bf16(runs[1][k])) / 2 for k, g in runs[0].items()}
+    grads = gather_named({k: p.grad for k, p in pipe.named_parameters()}, ctx)
+    if grads is not None:
+        for k, g in want.items():
+            torch.testing.assert_close(grads[k], g, atol=0, rtol=0, msg=f"bf16 average of {k}")
+        assert any(not torch.equal(grads[k], (g + runs[1][k]) / 2)
+                   for k, g in runs[0].items()), "the average was not bf16"
+
+
 def worker_amp(out: Path) -> None:
     import torch.distributed as dist
 
@@ -128,6 +159,7 @@ def worker_amp(out: Path) -> None:
     _check(res_model(), x, y, mse,
            [(dtype, s) for dtype in (torch.bfloat16, torch.float16) for s in sorted(SCHEDULES)])
     _overflow_in_one_replica()
+    _bf16_gradient_average()
     for name, cases in [("gpt2", [(torch.bfloat16, "1f1b"), (torch.float16, "interleaved-1f1b")]),
                         ("llama", [(torch.bfloat16, "zb-h1")])]:
         model = build(name).float()

@@ -62,9 +62,13 @@ class Precision:
     every stage's forward. Shared by the planner's capture, both executors' runtimes and the
     facade; `scaler` (fp16 only) is the loss scaler whose scale seeds each step's backward."""
 
-    def __init__(self, dtype: torch.dtype | None = None, scaler: LossScaler | None = None) -> None:
+    def __init__(
+        self, dtype: torch.dtype | None = None, scaler: LossScaler | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         self.dtype = check_mixed_precision(dtype)
         self.scaler = scaler
+        self.reduce_dtype = reduce_dtype  # the data-parallel gradient average's (None: fp32)
 
     @property
     def enabled(self) -> bool:
@@ -178,8 +182,15 @@ def warn_low_precision_parameters(model: nn.Module, dtype: torch.dtype | None) -
         )
 
 
-def make_precision(dtype: object) -> Precision:
-    """The policy for ``Pipeline(mixed_precision=dtype)``: fp16 gets a loss scaler (fp16's
-    5 exponent bits underflow small gradients; bf16 has fp32's range and needs none)."""
+def make_precision(dtype: object, reduce_dtype: object = None) -> Precision:
+    """The policy for ``Pipeline(mixed_precision=dtype, reduce_dtype=...)``: fp16 gets a loss
+    scaler (fp16's 5 exponent bits underflow small gradients; bf16 has fp32's range and needs
+    none); `reduce_dtype` is the data-parallel gradient average's dtype (None: fp32)."""
     checked = check_mixed_precision(dtype)
-    return Precision(checked, LossScaler() if checked == torch.float16 else None)
+    if reduce_dtype is not None and reduce_dtype not in DTYPES:
+        raise TypeError(
+            f"reduce_dtype must be torch.bfloat16, torch.float16 or None (the gradients' own "
+            f"fp32), got {reduce_dtype!r}"
+        )
+    scaler = LossScaler() if checked == torch.float16 else None
+    return Precision(checked, scaler, reduce_dtype)

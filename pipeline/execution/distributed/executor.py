@@ -145,6 +145,7 @@ class DistributedExecutor(Executor):
                     for s in finish_order(self._schedule, self.layout.pp_rank)
                 },
                 bucket_bytes=self.bucket_bytes,
+                reduce_dtype=self.precision.reduce_dtype,
             )
             statistics = running_statistics(self.planned.model)
             self.buffer_sync = BufferSync(self.context, list(self._mine.values()), statistics)

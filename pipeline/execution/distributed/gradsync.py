@@ -41,16 +41,20 @@ class GradSync:
 
     `stage_params` lists this process's stages in the order their last backward finishes. A
     parameter used by several of them (a tied embedding and LM head both on rank 0 under a V
-    placement) is reduced once, with the last of them: only then is its gradient complete."""
+    placement) is reduced once, with the last of them: only then is its gradient complete.
+    `reduce_dtype` (e.g. torch.bfloat16): the dtype the floating-point buckets travel and are
+    summed in (half the bytes; default: the gradients' own, fp32); averaged back in theirs."""
 
     def __init__(
         self,
         ctx: DistContext,
         stage_params: Mapping[int, Sequence[nn.Parameter]],
         bucket_bytes: int | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.ctx = ctx
+        self.reduce_dtype = reduce_dtype
         self.size = ctx.layout.data_parallel
         self.buckets: dict[int, list[list[nn.Parameter]]] = {}
         last_user = {id(p): stage for stage, params in stage_params.items() for p in params}
@@ -81,6 +85,8 @@ class GradSync:
         for params in self.buckets.get(stage, []):
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.reduce_dtype is not None and flat.is_floating_point():
+                flat = flat.to(self.reduce_dtype)
             work = dist.all_reduce(flat, group=self.ctx.dp_group, async_op=True)
             self._pending.append((work, flat, params))
 
@@ -88,7 +94,7 @@ class GradSync:
         try:
             for work, flat, params in self._pending:
                 self.ctx.wait_work(work, self._peer, "the gradient all-reduce")
-                flat.div_(self.size)
+                flat = flat.to(params[0].dtype).div_(self.size)
                 offset = 0
                 for p in params:
                     n = p.numel()
