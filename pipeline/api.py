@@ -187,7 +187,7 @@ class Pipeline(ModuleLike):
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
-        self._executor.precision = make_precision(mixed_precision, reduce_dtype)
+        self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._state = ModelState(model, self._executor, self.timeout, init_fn)
         self._setup = Setup.plan_for(

@@ -35,7 +35,8 @@ def _rows(x: Any, d: int) -> Any:
 
 
 def _check(model: torch.nn.Module, x: Any, y: torch.Tensor, loss_fn: Any,
-           cases: list[tuple[torch.dtype, str]], tied: frozenset[str] = frozenset()) -> None:
+           cases: list[tuple[torch.dtype, str]], tied: frozenset[str] = frozenset(),
+           shard: str | None = None) -> None:
     """Each (dtype, schedule): one step's loss and gathered grads against the reference."""
     from pipeline import Pipeline
     from pipeline.checkpoint import gather_named
@@ -53,12 +54,12 @@ def _check(model: torch.nn.Module, x: Any, y: torch.Tensor, loss_fn: Any,
     tensors = [*model.named_parameters(), *model.named_buffers()]
     initial = {k: t.detach().clone() for k, t in tensors}
     for dtype, schedule in cases:
-        label = f"{type(model).__name__} {dtype} {schedule}"
+        label = f"{type(model).__name__} {dtype} {schedule} shard={shard}"
         for k, t in tensors:  # the executor freed the others' stages' tensors
             t.data = initial[k].clone()
         model.zero_grad()
         pipe = Pipeline(model, stages=2, schedule=schedule, microbatches=M, loss_fn=loss_fn,
-                        balance="parameters", mixed_precision=dtype)
+                        balance="parameters", mixed_precision=dtype, shard=shard)
         ctx = pipe.distributed
         assert ctx is not None and ctx.layout.data_parallel == 2
         d = ctx.layout.dp_rank
@@ -158,6 +159,9 @@ def worker_amp(out: Path) -> None:
     x, y = batch(0, 2 * ROWS)
     _check(res_model(), x, y, mse,
            [(dtype, s) for dtype in (torch.bfloat16, torch.float16) for s in sorted(SCHEDULES)])
+    for shard in ("optimizer", "full"):  # ZeRO-1 and FSDP2 under autocast, fp16 unscaled
+        for case in [(torch.bfloat16, "1f1b"), (torch.float16, "zb-h1")]:
+            _check(res_model(), x, y, mse, [case], shard=shard)  # FSDP2 keeps its model
     _overflow_in_one_replica()
     _bf16_gradient_average()
     for name, cases in [("gpt2", [(torch.bfloat16, "1f1b"), (torch.float16, "interleaved-1f1b")]),

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 class Stepper(Protocol):
@@ -79,6 +80,8 @@ class LossScaler:
         inv = self._scale.double().reciprocal().float()
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
+            if isinstance(g, DTensor):  # a sharded gradient: this process's shard, in place
+                g = g.to_local()
             groups.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), group in groups.items():
             found = torch.zeros((), dtype=torch.float32, device=device)

@@ -182,7 +182,9 @@ def warn_low_precision_parameters(model: nn.Module, dtype: torch.dtype | None) -
         )
 
 
-def make_precision(dtype: object, reduce_dtype: object = None) -> Precision:
+def make_precision(
+    dtype: object, reduce_dtype: object = None, shard: str | None = None
+) -> Precision:
     """The policy for ``Pipeline(mixed_precision=dtype, reduce_dtype=...)``: fp16 gets a loss
     scaler (fp16's 5 exponent bits underflow small gradients; bf16 has fp32's range and needs
     none); `reduce_dtype` is the data-parallel gradient average's dtype (None: fp32)."""
@@ -191,6 +193,12 @@ def make_precision(dtype: object, reduce_dtype: object = None) -> Precision:
         raise TypeError(
             f"reduce_dtype must be torch.bfloat16, torch.float16 or None (the gradients' own "
             f"fp32), got {reduce_dtype!r}"
+        )
+    if reduce_dtype is not None and shard == "full":
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype} sets the dtype of the data-parallel gradient average "
+            "this pipeline makes, but with shard='full' FSDP2 reduce-scatters the gradients "
+            "itself (in fp32): drop reduce_dtype, or use shard=None / 'optimizer'"
         )
     scaler = LossScaler() if checked == torch.float16 else None
     return Precision(checked, scaler, reduce_dtype)
