@@ -11,9 +11,11 @@ Method (a heuristic, in the spirit of the Zero Bubble paper's automatic schedule
    every order), per-rank in-flight caps (flat, and 1F1B's / ZB-H2's staircases) up to the
    limit, with and without keeping the backward path clear.
 3. Local search from the best few: moves on the critical path of the simulated step (an action
-   that waited for its rank moves before the action it waited for, or a W moves later past
-   it), first improvement of (step, sum of rank finish times) accepted, until no move
-   improves or the evaluation budget is spent.
+   that waited for its rank moves up to 4 places earlier, or the action it waited for up to
+   4 places later), first improvement of (step, sum of rank finish times) accepted, until no
+   move improves or the evaluation budget is spent.
+
+Of the schedules with the shortest step, the one holding the fewest activations is returned.
 
 Why not an exact model: an ILP (what the Zero Bubble paper uses for small sizes) needs a
 solver dependency this pure-Python package does not have and grows past seconds well before
@@ -279,15 +281,22 @@ def synthesize(
             if times is not None:
                 found.append((_score(times), len(found), ev, orders, times))
     found.sort(key=lambda x: (x[0], x[1]))
-    best = found[0]
     deadline = started + time_limit
     if evaluations is None:
         evaluations = min(2000, max(100, 200_000 // (n * m)))
     for _, index, ev, orders, times in found[:_SEEDS_SEARCHED]:
         orders, times = _local_search(ev, orders, times, ev.calls + evaluations
                                       // _SEEDS_SEARCHED, deadline)
-        if (_score(times), index) < (best[0], best[1]):
-            best = (_score(times), index, ev, orders, times)
+        found.append((_score(times), index, ev, orders, times))
+    # The shortest step; among steps equal to it (up to rounding), the least memory.
+    shortest = min(x[0][0] for x in found) * (1 + 1e-12)
+
+    def memory(x: tuple[tuple[float, float], int, _Evaluator, Orders, Times]) -> list[int]:
+        peaks = [_peak_inflight(a, t) for a, t in zip(x[3], x[4], strict=True)]
+        return [max(peaks), sum(peaks)]
+
+    best = min((x for x in found if x[0][0] <= shortest),
+               key=lambda x: (memory(x), x[0], x[1]))
     return best[2].schedule(best[3], name="synth")
 
 

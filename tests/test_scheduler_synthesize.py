@@ -120,22 +120,24 @@ def test_two_ranks_two_microbatches_reach_the_bound() -> None:
 
 def test_uneven_costs_beat_every_generator() -> None:
     """p=3, m=4, F=(2,2,1), B=(3,2,1), W=1, limit 4. Rank 0 has the most work, 4 x 6 = 24,
-    and the synthesised order keeps it busy from 0 to 24 (F0-F3 [0,8], B0 [8,11] B1 [11,14],
-    W0 W1 [14,16] while rank 1 runs B2's inputs, B2 [16,19] B3 [19,22], W2 W3 [22,24]); rank 1
-    runs F0 [2,4] F1 [4,6] B0 [6,8] B1 [8,10] F2 [10,12] F3 [12,14] B2 [14,16] B3 [16,18] and
-    its Ws [18,22]; rank 2 F0 B0 F1 B1 W0 W1 [4,10], F2 [12,13] B2 F3 B3 W2 W3 [13,18]. Step 24
-    = the lower bound, peak 4 on ranks 0 and 1; the generators fitting the limit take 26
-    (ZB-H1, ZB-H2) to 32 (GPipe)."""
+    and the synthesised order keeps it busy from 0 to 24: F0-F3 [0,8], B0 [8,11] (rank 1's
+    B0 ends at 8), W0 [11,12], B1 [12,15], B2 [15,18], W1 W2 [18,20], B3 [20,23] (rank 1's
+    B3 ends at 20), W3 [23,24]. Rank 1: F0 [2,4] F1 [4,6] B0 [6,8] F2 [8,10] B1 [10,12]
+    B2 [12,14] F3 [14,16] W0 W1 [16,18] B3 [18,20] W2 W3 [20,22], at most 4 held (F0-F3
+    before W0). Rank 2 runs each microbatch's F B W as its input arrives: [4,7], [7,10],
+    [10,13], [16,19], holding one. Step 24 = the lower bound; of the orders reaching it this
+    one holds the least (rank 2: 1). The generators fitting the limit take 26 (ZB-H1,
+    ZB-H2) to 32 (GPipe)."""
     f, b, w = [2.0, 2.0, 1.0], [3.0, 2.0, 1.0], 1.0
     schedule = synthesize(3, 4, f, b, w, memory_limit=4)
     assert schedule.to_text() == (
-        "0F0 0F1 0F2 0F3 0B0 0B1 0W0 0W1 0B2 0B3 0W2 0W3\n"
-        "1F0 1F1 1B0 1B1 1F2 1F3 1B2 1B3 1W0 1W1 1W2 1W3\n"
-        "2F0 2B0 2F1 2B1 2W0 2W1 2F2 2B2 2F3 2B3 2W2 2W3"
+        "0F0 0F1 0F2 0F3 0B0 0W0 0B1 0B2 0W1 0W2 0B3 0W3\n"
+        "1F0 1F1 1B0 1F2 1B1 1B2 1F3 1W0 1W1 1B3 1W2 1W3\n"
+        "2F0 2B0 2W0 2F1 2B1 2W1 2F2 2B2 2W2 2F3 2B3 2W3"
     )
     timeline = simulate(schedule, f, b, w)
     assert timeline.step_time == 24.0 == lower_bound(3, 4, f, b, w)
-    assert timeline.peak_inflight == (4, 4, 2)
+    assert timeline.peak_inflight == (4, 4, 1)
     best = _fitting_generators(3, 4, 1, f, b, [w] * 3, 0.0, [4, 4, 4])
     assert best == {"1f1b": 29.0, "1f1b-eager": 28.0, "zb-h1": 26.0, "zb-h2": 26.0,
                     "gpipe": 32.0}

@@ -118,6 +118,32 @@ def test_auto_schedule_considers_synthesis_then_resynthesises_from_measured_cost
         assert ran_in_order(pipe)
 
 
+def test_autoplan_synthesis_beats_its_generators_and_stops_at_the_cap() -> None:
+    """Within the byte cap the synthesised candidate is never slower than a generator of the
+    same (pp, m, v=1) that fits it (its in-flight limit comes from the same bytes); past
+    SYNTH_MAX_CELLS the planner says it did not search."""
+    from pipeline.planning.autoplan import SYNTH_MAX_CELLS, search
+    from tests.test_autoplan import synthetic_graph
+
+    graph = synthetic_graph()
+    order = graph.graph["order"]
+    for node in (order[0], order[-1]):  # a heavy embedding and head
+        graph.nodes[node].update(forward_time=3.0, input_grad_time=4.0, weight_grad_time=1.5)
+    plan = search(graph, world_size=4, pp=[4], batch_size=64, profiled_batch=4,
+                  microbatches=[8, 16], virtual_stages=[1], memory_limit=5e4, keep=100)
+    synth = [c for c in plan.candidates if c.schedule == "synth"]
+    assert synth
+    for c in synth:
+        rivals = [g.step_time for g in plan.candidates if g.schedule != "synth"
+                  and (g.pp, g.microbatches) == (c.pp, c.microbatches)]
+        assert rivals and c.step_time <= min(rivals) + 1e-12
+        assert c.max_memory <= 5e4
+    big = search(graph, world_size=4, pp=[4], batch_size=1024, profiled_batch=4,
+                 microbatches=[256], virtual_stages=[1])
+    assert all(c.schedule != "synth" for c in big.candidates)
+    assert any(f"over {SYNTH_MAX_CELLS} stage x microbatch cells" in n for n in big.notes)
+
+
 def test_resynthesis_needs_measured_steps() -> None:
     pipe = Pipeline(uneven_gpt(), 2, schedule="auto", microbatches=4, loss_fn=lm_loss,
                     capture_method="fx", example_input=batch(0)[0])

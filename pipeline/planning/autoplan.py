@@ -149,6 +149,10 @@ def _rank_sums(values: Sequence[float], placement: Sequence[int], ranks: int) ->
     return out
 
 
+SYNTH_MAX_CELLS = 512
+"""Largest stages x microbatches the planner synthesises for (p=8, m=64 takes seconds)."""
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -277,6 +281,11 @@ def search(
         configs = list(dict.fromkeys((c.pp, c.microbatches, c.virtual_stages) for _, _, c in
                                      sorted(heap, key=lambda e: (-e[0], e[1])) if c.pp > 1))
         for p, m, v in configs[:synthesized_configs]:
+            if p * v * m > SYNTH_MAX_CELLS:
+                notes.append(f"synth: not searched for pp={p}, m={m}, v={v} (over "
+                             f"{SYNTH_MAX_CELLS} stage x microbatch cells, seconds or more; "
+                             "call scheduler.synthesize for it)")
+                continue
             dp = world_size // p
             base = costs_cache.get(p * v) or costs_for_stages(graph, p * v)
             costs_cache[p * v] = base
