@@ -341,6 +341,23 @@ def test_autocast_block_in_forward_is_captured_by_export() -> None:
     assert_equal_run(pipe, model, loss, reference(model, x, y, None), fp32, "inner autocast")
 
 
+def test_autocast_block_follows_its_stage_to_another_device() -> None:
+    """An autocast block captured on CPU names "cpu"; moving its stage retargets it (run on
+    CUDA by tests/test_cuda.py)."""
+    from partitioner.autocast import WRAP_WITH_AUTOCAST
+    from partitioner.exported import retarget
+
+    pipe = Pipeline(InnerAutocast(), stages=2, microbatches=M, loss_fn=mse, balance="uniform",
+                    example_input=batch()[0])
+    holding = [m for m in pipe.stage_modules
+               if any(n.target is WRAP_WITH_AUTOCAST for n in m.graph.nodes)]
+    assert len(holding) == 1
+    moved = copy.deepcopy(holding[0])
+    retarget(moved, torch.device("cuda", 0))
+    assert [n.args[0] for n in moved.graph.nodes if n.target is WRAP_WITH_AUTOCAST] == ["cuda"]
+    assert "'cuda'" in moved.code
+
+
 def test_autocast_block_in_forward_refused_by_fx() -> None:
     pipe = Pipeline(InnerAutocast(), stages=2, microbatches=M, loss_fn=mse, balance="uniform",
                     capture_method="fx")
