@@ -5,7 +5,8 @@ the unsplit model run replica by replica, microbatch by microbatch under the sam
 the same for Hugging Face GPT-2 (tied embedding / LM head across the ranks) and Llama. fp16: an
 overflow injected in stage 0 of replica 1 only makes every process skip its optimizer step and
 halve its scale (the stage-1 processes found no inf themselves). `reduce_dtype=torch.bfloat16`
-averages the replicas' gradients in bf16.
+averages the replicas' gradients in bf16. With shard="optimizer" (ZeRO-1) and "full" (FSDP2)
+the same, then one step of the shard mode's optimizer through `optimizer_step`.
 
 Tolerances as in tests/test_precision.py (bitwise gradients; a tied parameter to one fp32
 rounding); the loss to 1e-6 relative, since the distributed executor sums the microbatch losses
@@ -76,6 +77,13 @@ def _check(model: torch.nn.Module, x: Any, y: torch.Tensor, loss_fn: Any,
                 torch.testing.assert_close(grads[k], g, atol=tol * g.abs().max().item(),
                                            rtol=tol, msg=f"{label}: grad of {k}")
             assert max((grads[k] - g).abs().max().item() for k, g in fp32.items()) > 0, label
+        if shard is not None:  # the shard mode's optimizer, stepped through optimizer_step
+            assert pipe.optimizer_step(pipe.optimizer(torch.optim.SGD, lr=0.1)), label
+            state = pipe.state_dict()
+            if state is not None:
+                for k, p in base.named_parameters():
+                    torch.testing.assert_close(state[k], p.detach().add(want[k], alpha=-0.1),
+                                               atol=0, rtol=0, msg=f"{label}: stepped {k}")
 
 
 def _overflow_in_one_replica() -> None:
