@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import operator
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_flatten
 
 from partitioner.exported import (
@@ -266,12 +268,47 @@ def capture(
             raise ValueError("a sequential model takes one positional input, not keywords")
         bind_kwargs(gm, len(example_inputs), kwargs)
         units = fx_units(gm)
-    flat = tree_flatten((example_inputs, kwargs))[0]
-    recorder = _Recorder(gm)
-    with sandbox(model), torch.no_grad():
-        recorder.run(*flat)
+    meta = _exported_meta(gm) if front == "export" else None
+    if meta is None:
+        recorder = _Recorder(gm)
+        with sandbox(model), torch.no_grad():
+            recorder.run(*tree_flatten((example_inputs, kwargs))[0])
+        meta = recorder.meta
     bases = _unit_bases(model, units, front, rule)
-    return _build(model, gm, units, bases, recorder.meta, front, in_spec, ranges, non_persistent)
+    return _build(model, gm, units, bases, meta, front, in_spec, ranges, non_persistent)
+
+
+_SYMBOLIC: dict[type, type] = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+
+
+def _exported_meta(gm: fx.GraphModule) -> dict[str, dict[str, Any]] | None:
+    """What `_Recorder` records, read from the fake values torch.export left on every node
+    (symbolic sizes at the example's values), without running the model: a real forward of
+    GPT-2 small costs more than its export. None when a node has no value or a size no hint."""
+    meta: dict[str, dict[str, Any]] = {}
+
+    def concrete(t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(optimization_hint(s) if isinstance(s, torch.SymInt) else int(s)
+                     for s in t.shape)
+
+    try:
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                continue
+            if "val" not in n.meta:
+                return None
+            value = n.meta["val"]
+            tensors = list(_flat_tensors(value))
+            meta[n.name] = {
+                "shape": concrete(value) if isinstance(value, torch.Tensor) else None,
+                "dtype": str(value.dtype) if isinstance(value, torch.Tensor)
+                else _SYMBOLIC.get(type(value), type(value)).__name__,
+                "bytes": sum(math.prod(concrete(t)) * t.element_size() for t in tensors),
+                "tensor": isinstance(value, torch.Tensor),
+            }
+    except (RuntimeError, ValueError, TypeError):  # an unbacked size has no hint
+        return None
+    return meta
 
 
 def _check_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:

@@ -146,7 +146,7 @@ def export_flat(
             buffer = next(n for n in new.nodes if n.op == "get_attr" and n.target == spec.target)
             with new.inserting_after(produced):
                 copy = new.call_function(torch.ops.aten.copy_.default, (buffer, produced))
-            copy.meta = {k: v for k, v in produced.meta.items() if k == "nn_module_stack"}
+            copy.meta = {k: v for k, v in produced.meta.items() if k in ("nn_module_stack", "val")}
         else:
             raise ValueError(
                 f"the model's forward has a side effect torch.export records as "
