@@ -7,9 +7,12 @@ backward - B. Timing the weight gradient alone would be wrong for a composite no
 several layers): the weights of its inner layers need backprop through the block, so it costs
 nearly the whole backward, while B has already done that walk when W runs.
 
-Each node is run on its real inputs from one pass over the example input, after `warmup` runs,
-`repeats` times; the median is kept. Everything happens in a sandbox (see `sandbox.py`), so the
-model's parameters, buffers, .training flags and RNG state are unchanged afterwards."""
+Each node is run on its real inputs from one pass over the example input, after `warmup` runs
+(the pass itself is the forward's first), `repeats` times or until `BUDGET` seconds have been
+timed (a unit that takes longer is timed once: its noise is small next to it); the median is
+kept. Units of the same ops and shapes (see `signature`) are measured once. Everything happens
+in a sandbox (see `sandbox.py`), so the model's parameters, buffers, .training flags and RNG
+state are unchanged afterwards."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from partitioner.exported import retarget
 from partitioner.sandbox import Sandbox, sandbox
 
 Progress = Callable[[int, int, str], None]
+BUDGET = 0.25  # seconds of timed runs per measurement, past which no more repeats are run
 
 
 class _Clock:
@@ -126,13 +130,16 @@ class _Profiler(fx.Interpreter):
         self.results: dict[str, dict[str, Any]] = {}
         self.first: dict[str, str] = {}  # signature -> the unit measured for it
 
-    def _median(self, fn: Callable[[], Any]) -> float:
+    def _median(self, fn: Callable[[], Any], warmup: int | None = None) -> float:
         # Unwatched (no dispatch-mode overhead in the timings): the node's first run, watched,
         # has already saved whatever parameter it writes.
         with self.box.paused():
-            for _ in range(self.warmup):
+            for _ in range(self.warmup if warmup is None else warmup):
                 fn()
-            return statistics.median(self.clock(fn) for _ in range(self.repeats))
+            times: list[float] = []
+            while len(times) < self.repeats and sum(times) < BUDGET:
+                times.append(self.clock(fn))
+            return statistics.median(times)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
@@ -156,7 +163,9 @@ class _Profiler(fx.Interpreter):
 
     def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, Any]:
         with torch.no_grad():
-            forward = self._median(lambda: run(n.target, *_fresh((args, kwargs))))
+            forward = self._median(
+                lambda: run(n.target, *_fresh((args, kwargs))), max(0, self.warmup - 1)
+            )
         stats: dict[str, Any] = {
             "forward_time": forward,
             "backward_time": 0.0,
