@@ -1,4 +1,5 @@
-"""Tiny configurations of the model families people bring (Hugging Face GPT-2, Llama, BERT, T5,
+"""Tiny configurations of the model families people bring (Hugging Face GPT-2, Llama, BERT,
+ALBERT (one layer called several times), T5,
 Mistral, GPT-NeoX, OPT; timm ViT, ConvNeXt, Swin and ResNet; the GPT `tok(idx) + pos[:T]`
 idiom), each with a batch maker and a loss, shared by the local and distributed real-model
 tests. Built from configs: no downloads."""
@@ -80,6 +81,19 @@ def bert() -> nn.Module:
         attention_probs_dropout_prob=0.0, pad_token_id=0,
     )
     return BertForMaskedLM(config)
+
+
+def albert(layers: int = 6) -> nn.Module:
+    """One encoder layer called `layers` times (shared weights): one unit per call, so the
+    calls spread over the stages and the layer's weights live on several of them."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    config = AlbertConfig(
+        vocab_size=VOCAB, embedding_size=8, hidden_size=16, num_hidden_layers=layers,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+    )
+    return AlbertForMaskedLM(config)
 
 
 def t5() -> nn.Module:
@@ -202,6 +216,7 @@ SPECS: dict[str, Spec] = {
     "gpt2": Spec(gpt2, lambda r, s: _tokens(r, s, mask=True), lm_loss),
     "llama": Spec(llama, lambda r, s: _tokens(r, s, mask=False), lm_loss),
     "bert": Spec(bert, lambda r, s: _tokens(r, s, mask=True), lm_loss),
+    "albert": Spec(albert, lambda r, s: _tokens(r, s, mask=True), lm_loss),
     "t5": Spec(t5, _seq2seq, lm_loss),
     "mistral": Spec(mistral, lambda r, s: _tokens(r, s, mask=True), lm_loss),
     "gpt_neox": Spec(gpt_neox, lambda r, s: _tokens(r, s, mask=True), lm_loss),

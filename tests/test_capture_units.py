@@ -20,19 +20,13 @@ from partitioner import capture, partition, profile
 from pipeline import Pipeline
 from pipeline.planning.microbatch import merge_microbatches
 from tests.real_models import SPECS, VOCAB, build, lm_loss
+from tests.real_models import albert as real_albert
 
 ATOL = 1e-9
 
 
 def albert(layers: int = 12) -> nn.Module:
-    from transformers import AlbertConfig, AlbertForMaskedLM
-
-    config = AlbertConfig(
-        vocab_size=VOCAB, embedding_size=8, hidden_size=16, num_hidden_layers=layers,
-        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
-    )
-    return AlbertForMaskedLM(config).double()
+    return real_albert(layers).double()
 
 
 class Block(nn.Module):
@@ -119,8 +113,7 @@ def test_shared_layer_on_several_stages_is_exact(name: str, schedule: str) -> No
     torch.manual_seed(0)
     if name == "albert":
         model = albert(layers=6)
-        x, y = SPECS["bert"].batch(5, 8)
-        x = {"input_ids": x["input_ids"], "attention_mask": x["attention_mask"]}
+        x, y = SPECS["albert"].batch(5, 8)
         shared = model.albert.encoder.albert_layer_groups[0].albert_layers[0].ffn.weight
     else:
         model = Loop(steps=6).double()

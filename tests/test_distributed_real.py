@@ -5,7 +5,8 @@ placement of the tie (loop, interleaved, V), an SGD step
 whole model's gradient norm from `clip_grad_norm_`, and the gathered state_dict has the model's
 own keys and values (so the tied copies stayed equal and the clipped steps matched).
 The same for T5 (an embedding tied three ways, a split backward) at pp=4 zbv and pp=2 x dp=2
-zb-h1.
+zb-h1, and for ALBERT (one layer called 6 times, one unit per call, its weights on every rank)
+at pp=4 1F1B and pp=2 x dp=2 zb-h1.
 
 One launch loops over every case (starting a process with torch costs seconds), on one model
 per pipeline size given back its initial tensors before each case, so each process exports GPT-2
@@ -60,6 +61,9 @@ def _check_model(name: str, cases: dict[int, list[tuple[str, int]]]) -> None:
                             loss_fn=loss_fn, balance="parameters")
             ctx = pipe.distributed
             assert ctx is not None
+            if name == "albert":  # the shared layer's calls (and weights) on several ranks
+                calls = [any("albert_layers_0" in v for v in s) for s in pipe.plan.stages]
+                assert sum(calls) >= 2, f"{label}: {pipe.plan}"
             dp, d = ctx.layout.data_parallel, ctx.layout.dp_rank
             opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
             ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -119,12 +123,29 @@ def worker_tied(out: Path) -> None:
     print("worker tied: every check ran")
 
 
-WORKERS = {"tied": worker_tied}
+def worker_shared(out: Path) -> None:
+    """ALBERT's one layer called 6 times: one unit per call, spread by parameters over the
+    ranks, so the layer's weights live on every rank and are handled as a tie."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    _check_model("albert", {4: [("1f1b", 2)], 2: [("zb-h1", 1)]})
+    dist.destroy_process_group()
+    print("worker shared: every check ran")
+
+
+WORKERS = {"tied": worker_tied, "shared": worker_shared}
 
 
 @pytest.mark.slow
 def test_tied_gpt2_every_schedule(tmp_path: Path) -> None:
     _all_ok(launch("tied", 4, tmp_path, deadline=400.0, script=__file__), "tied")
+
+
+@pytest.mark.slow
+def test_shared_layer_calls_on_several_ranks(tmp_path: Path) -> None:
+    _all_ok(launch("shared", 4, tmp_path, deadline=300.0, script=__file__), "shared")
 
 
 if __name__ == "__main__":
