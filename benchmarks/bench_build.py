@@ -2,8 +2,9 @@
 with only the batch dim dynamic, grouped into units), profile (every unit forward + backward;
 identical units measured once), partition (4 stages) and split (the stage modules), next to
 torch.export alone on the same call (the same dynamic dims) and torch.distributed.pipelining's
-`pipeline()` front end where it works (split at the middle block), and the capture with every
-dim dynamic (what capture did before) where that takes seconds, not minutes. Writes
+`pipeline()` front end where it works (split at the middle block), the capture with every
+dim dynamic (what capture did before) where that takes seconds, not minutes, and torch.fx's
+capture (or why it fails). Writes
 benchmarks/results/build.{md,json}.
 
 Models, built from configs (nothing is downloaded), float32 on CPU: Hugging Face GPT-2 small
@@ -28,7 +29,7 @@ import torch
 from report import write_results
 from torch import nn
 
-from partitioner import capture, partition, profile, split_model
+from partitioner import CaptureError, capture, partition, profile, split_model
 from partitioner.exported import export_flat
 from pipeline.planning.shapes import pairs_for
 
@@ -150,11 +151,20 @@ def measure(name: str) -> dict[str, Any]:
     if all_dynamic:
         dims = pairs_for(flat, range(1, max(t.dim() for t in flat)))
         _, every = _timed(lambda: export_flat(model, args, kwargs, dims), "all_dims_dynamic")
+    fx: float | str | None = None
+    if not meta:
+        try:
+            _, fx = _timed(lambda: capture(model, args, kwargs, method="fx"), "fx")
+        except CaptureError as exc:
+            fx = " ".join(str(exc).split(". Two ways out")[0].split())[:160]
     CPU.pop("", None)
     pipe = _torch_pipeline(model, args, kwargs, split)
     return {
         "model": description,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "aten_nodes": sum(
+            1 for n in graph.graph["graph_module"].graph.nodes if n.op == "call_function"
+        ),
         "units": len(graph.graph["order"]),
         "profiled_units": len(graph.graph["order"]) - len(plan.shared),
         "dynamic_dims": plan.dynamic_dims,
@@ -167,6 +177,7 @@ def measure(name: str) -> dict[str, Any]:
         "torch_export_s": t_export,
         "torch_pipeline": pipe,
         "all_dims_dynamic_export_s": every,
+        "fx_capture": fx,
         "cpu_s": dict(CPU),
     }
 
@@ -190,9 +201,10 @@ def main(names: list[str]) -> None:
         "Each cell: wall seconds / CPU seconds of this process (one torch thread; the CPU "
         "figure is what the machine's load does not inflate).",
         "",
-        "| model | params | units (profiled) | capture | profile | partition | split | "
-        "torch.export alone | torch pipeline() | export, every dim dynamic | bound ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| model | params | aten ops | units (profiled) | capture | profile | partition | "
+        "split | torch.export alone | torch pipeline() | export, every dim dynamic | "
+        "torch.fx capture | bound ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for r in rows:
         cpu = r["cpu_s"]
@@ -205,17 +217,17 @@ def main(names: list[str]) -> None:
             return f"{wall:.{digits}f} / {cpu[phase]:.{digits}f}"
 
         lines.append(
-            f"| {r['model']} | {r['parameters'] / 1e6:.0f}M | {r['units']} "
+            f"| {r['model']} | {r['parameters'] / 1e6:.0f}M | {r['aten_nodes']} | {r['units']} "
             f"({r['profiled_units']}) | {both('capture_s', 'capture')} | "
             f"{both('profile_s', 'profile')} | {both('partition_s', 'partition', 3)} | "
             f"{both('split_s', 'split')} | {both('torch_export_s', 'torch_export')} | "
             f"{both('torch_pipeline', 'torch_pipeline')} | "
             f"{both('all_dims_dynamic_export_s', 'all_dims_dynamic')} | "
-            f"{r['bound_ratio']:.3f} |"
+            f"{both('fx_capture', 'fx')} | {r['bound_ratio']:.3f} |"
         )
     lines += [
         "",
-        "Dynamic dims: " + "; ".join(f"{r['model'].split(',')[0]}: {r['dynamic_dims']}"
+        "Dynamic dims: " + "; ".join(f"{r['model'].split(' (')[0]}: {r['dynamic_dims']}"
                                      for r in rows) + ".",
         "",
         "capture = torch.export (batch dim dynamic) + grouping into units + shape propagation; "
