@@ -226,6 +226,19 @@ class _Profiler(fx.Interpreter):
         return stats
 
 
+def _copy_to(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """A deep copy of `gm` whose tensors are made on `device` directly (deepcopy's memo holds
+    their copies there), so the host never holds a second copy of the model."""
+    memo: dict[int, Any] = {}
+    for t in (*gm.parameters(), *gm.buffers()):
+        copied = t.detach().to(device, copy=True)
+        memo[id(t)] = (
+            nn.Parameter(copied, requires_grad=t.requires_grad)
+            if isinstance(t, nn.Parameter) else copied
+        )
+    return copy.deepcopy(gm, memo)
+
+
 def profile(
     graph: nx.DiGraph,
     model: torch.nn.Module,
@@ -256,7 +269,7 @@ def profile(
     same = current.type == target.type and target.index in (None, current.index)
     with sandbox(model) as box:
         if not same:
-            gm = copy.deepcopy(gm).to(target)
+            gm = _copy_to(gm, target)
             for sub in gm.modules():
                 if isinstance(sub, fx.GraphModule):
                     retarget(sub, target)

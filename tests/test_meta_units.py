@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from partitioner import capture, partition
 from partitioner.estimate import estimate
@@ -205,3 +206,40 @@ def test_in_place_grad_accumulation_keeps_one_copy() -> None:
         assert torch.allclose(p.grad, q.grad, atol=1e-12), name
     with pytest.raises(ValueError, match="grad_accumulation="):
         Pipeline(model, stages=2, grad_accumulation="lazy")
+
+
+def test_profiling_copy_is_made_on_the_target_device() -> None:
+    """Profiling on another device copies the unit module's tensors straight there (checked
+    with CPU as the target: new storage, same values, parameters still parameters)."""
+    from partitioner.profile import _copy_to
+
+    model = _mlp()
+    graph = capture(model, (torch.randn(2, 8),))
+    gm = graph.graph["unit_module"]
+    copied = _copy_to(gm, torch.device("cpu"))
+    pairs = list(zip(gm.parameters(), copied.parameters(), strict=True))
+    assert pairs and all(isinstance(b, nn.Parameter) for _, b in pairs)
+    assert all(a.data_ptr() != b.data_ptr() and torch.equal(a, b) for a, b in pairs)
+    x = torch.randn(2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(gm(x)), tree_leaves(copied(x)),
+                                                strict=True))
+
+
+def test_rebalance_after_meta_init_uses_the_real_weights() -> None:
+    from pipeline import Pipeline
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]).double()
+    pipe = Pipeline(model, stages=2, loss_fn=nn.MSELoss(), microbatches=2,
+                    init_fn="reset_parameters")
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    for _ in range(3):
+        pipe.step(x, y)
+    pipe.rebalance(threshold=-1.0)  # re-split whatever the gain
+    own = {id(p) for p in model.parameters()}
+    held = [p for m in pipe.stage_modules for p in m.parameters()]
+    assert held and all(id(p) in own and not p.is_meta for p in held)
+    pipe.zero_grad()
+    loss = pipe.step(x, y)
+    assert float(loss) == pytest.approx(float(nn.MSELoss()(model(x), y).detach()), abs=1e-12)

@@ -105,11 +105,13 @@ def materialize(
     *,
     init_fn: InitFn | str | None = None,
     seed: int = 0,
+    holders: Sequence[nn.Module] = (),
 ) -> list[str]:
     """Give every meta parameter and buffer that `modules` hold storage on `device` (one for
     all, or one per module: a tensor two modules hold goes to the first's) and its initial
     values (see the module docstring); returns their names. `model` is the whole model they
-    come from (it names the tensors and owns the modules to initialise)."""
+    come from (it names the tensors and owns the modules to initialise); `holders`: other
+    modules holding the same tensors (the captured graph modules), updated too."""
     init = resolve_init(model, init_fn)
     places = [device] * len(modules) if isinstance(device, torch.device) else list(device)
     olds: dict[int, Tensor] = {}
@@ -120,7 +122,7 @@ def materialize(
                 olds[id(t)], fresh[id(t)] = t, _fresh(t, place)
     if not olds:
         return []
-    holders = [model, *modules]
+    holders = [model, *modules, *holders]
     made = _replace(holders, fresh)
     targets = {id(t): t for t in made}
     versions = {key: t._version for key, t in targets.items()}
