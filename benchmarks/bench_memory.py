@@ -22,6 +22,7 @@ minutes on 2 cores; BENCH_PARTS=memory or BENCH_PARTS=estimate runs one part)
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 from launch import gather, hand_back
-from report import write_results
+from report import RESULTS, write_results
 
 GIB = 2**30
 ROWS, SEQ = 2, 16
@@ -90,8 +91,16 @@ def worker(build: str, stages: int, accumulation: str) -> None:
         hand_back(found)
 
 
-def memory_part() -> tuple[list[dict[str, Any]], list[str]]:
+def memory_part() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    for build, stages, accumulation in RUNS:
+        found = gather(__file__, stages, build, str(stages), accumulation, timeout=1800)
+        rows += [{"build": build, "pp": stages, "grad_accumulation": accumulation, "rank": rank,
+                  **got} for rank, got in enumerate(found)]
+    return rows
+
+
+def memory_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Peak RSS per process (GiB), Llama-style 374M parameters (1.39 GiB fp32)",
         "",
@@ -99,22 +108,19 @@ def memory_part() -> tuple[list[dict[str, Any]], list[str]]:
         "steps | own share | construction - imports | / share |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for build, stages, accumulation in RUNS:
-        found = gather(__file__, stages, build, str(stages), accumulation, timeout=1800)
-        for rank, got in enumerate(found):
-            m = got["marks"]
-            grown = m["Pipeline built"] - m["imports"]
-            rows.append({"build": build, "pp": stages, "grad_accumulation": accumulation,
-                         "rank": rank, **got})
-            lines.append(
-                f"| {build} | {stages} | {accumulation} | {rank} | {m['imports']:.2f} | "
-                f"{m['model built']:.2f} | {m['Pipeline built']:.2f} | {m['after 2 steps']:.2f} "
-                f"| {got['share']:.2f} | {grown:.2f} | {grown / got['share']:.2f} |"
-            )
+    for row in rows:
+        m = row["marks"]
+        grown = m["Pipeline built"] - m["imports"]
+        lines.append(
+            f"| {row['build']} | {row['pp']} | {row['grad_accumulation']} | {row['rank']} | "
+            f"{m['imports']:.2f} | {m['model built']:.2f} | {m['Pipeline built']:.2f} | "
+            f"{m['after 2 steps']:.2f} | {row['share']:.2f} | {grown:.2f} | "
+            f"{grown / row['share']:.2f} |"
+        )
     lines += ["", "construction - imports: what building the model and the Pipeline added to "
               "the process's peak; / share: that over the process's own parameter bytes (1.0 = "
               "its share and nothing else; the whole model is pp x the share)."]
-    return rows, lines
+    return lines
 
 
 def _estimate_vs_profile(name: str, build: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -150,7 +156,7 @@ def _estimate_vs_profile(name: str, build: Any, batch: dict[str, torch.Tensor]) 
     }
 
 
-def estimate_part() -> tuple[list[dict[str, Any]], list[str]]:
+def estimate_part() -> list[dict[str, Any]]:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     def gpt2() -> torch.nn.Module:
@@ -165,8 +171,11 @@ def estimate_part() -> tuple[list[dict[str, Any]], list[str]]:
 
     torch.set_num_threads(1)
     batch = {"input_ids": torch.randint(0, 8000, (4, 64))}
-    rows = [_estimate_vs_profile("GPT-2 (6 x 256, vocab 8000)", gpt2, batch),
+    return [_estimate_vs_profile("GPT-2 (6 x 256, vocab 8000)", gpt2, batch),
             _estimate_vs_profile("Llama (6 x 256, vocab 8000)", llama, batch)]
+
+
+def estimate_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## Estimated (FLOPs + bytes on meta) vs profiled stage costs, 4 stages",
              "", "| model | nodes | profile cut | estimate cut | estimated shares | profiled "
              "shares of the estimate's cut | profiled shares (profile's cut) | bottleneck, "
@@ -181,22 +190,25 @@ def estimate_part() -> tuple[list[dict[str, Any]], list[str]]:
         )
     lines += ["", "Both on one microbatch of 4 x 64 tokens; profiled times are CPU medians of 5 "
               "runs (1 thread). The bottleneck ratio reads both cuts on the profiled node times."]
-    return rows, lines
+    return lines
 
 
 def main() -> None:
     parts = os.environ.get("BENCH_PARTS", "memory,estimate").split(",")
-    data: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                            "torch": torch.__version__}
+    saved = RESULTS / "memory.json"
+    data: dict[str, Any] = json.loads(saved.read_text()) if saved.exists() else {}
+    data.update(machine=f"{platform.machine()}, {os.cpu_count()} CPUs", torch=torch.__version__)
+    if "memory" in parts:
+        data["memory"] = memory_part()
+    if "estimate" in parts:
+        data["estimate"] = estimate_part()  # a part not rerun keeps its last results
     lines = ["# Memory of a model bigger than one process, and the cost estimate on meta", "",
              f"{data['machine']}, torch {data['torch']}; `python benchmarks/bench_memory.py`.",
              ""]
-    if "memory" in parts:
-        data["memory"], text = memory_part()
-        lines += text + [""]
-    if "estimate" in parts:
-        data["estimate"], text = estimate_part()
-        lines += text
+    if "memory" in data:
+        lines += memory_lines(data["memory"]) + [""]
+    if "estimate" in data:
+        lines += estimate_lines(data["estimate"])
     write_results("memory", data, "\n".join(lines))
 
 
