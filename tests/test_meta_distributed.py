@@ -1,7 +1,8 @@
 """Models built on the meta device under torch.distributed (gloo processes launched as torchrun
 does): each process materialises only its own stages, and the weights equal those of the same
 model materialised whole in one process, at pp=2 (Llama and the tied GPT-2) and pp=4 (Llama);
-a step then equals the unsplit run in float64. A meta model with no weights fails its first step
+a step then equals the unsplit run in float64, and a second one, accumulated in place
+(grad_accumulation="in_place"), doubles the gradients. A meta model with no weights fails its first step
 on every rank at once, naming the parameters; a Llama loaded from a state dict gets its rotary
 inv_freq.
 
@@ -66,11 +67,13 @@ def _worker_init(out: Path) -> None:
         with torch.device("meta"):
             model = _build(name)
         pipe = Pipeline(model, stages=stages, loss_fn=lm_loss, microbatches=2,
-                        example_input={"input_ids": x}, init_fn="reset_parameters")
+                        example_input={"input_ids": x}, init_fn="reset_parameters",
+                        grad_accumulation="in_place")
         assert "estimated on meta" in str(pipe.plan)
         own = sum(p.numel() for p in pipe.parameters())
         total = sum(p.numel() for p in model.parameters())
         loss = float(pipe.step({"input_ids": x}, y))
+        pipe.step({"input_ids": x}, y)  # accumulated in place (tied GPT-2 weight: the old way)
         state = pipe.state_dict()
         grads = gather_named({k: p.grad for k, p in pipe.named_parameters()},
                              pipe.distributed)
@@ -81,7 +84,7 @@ def _worker_init(out: Path) -> None:
                 assert torch.equal(state[key], value), f"{name} {key} differs"
             for key, p in ref.named_parameters():
                 got = grads[key]
-                assert got is not None and torch.allclose(got, p.grad, atol=1e-10), key
+                assert got is not None and torch.allclose(got, 2 * p.grad, atol=1e-10), key
             results[name] = {"loss": loss, "ref": ref_loss, "own": own, "total": total}
         else:
             results[name] = {"own": own, "total": total}

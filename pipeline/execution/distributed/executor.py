@@ -173,8 +173,11 @@ class DistributedExecutor(Executor):
         return dict(self._mine)
 
     def accumulates_in_place(self) -> set[int]:
-        """As `Executor`'s, less the parameters tied across pipeline ranks: their gradients
-        are summed over the copies after the step, which must see only the step's own."""
+        """As `Executor`'s, less the parameters tied across pipeline ranks (their gradients
+        are summed over the copies after the step, which must see only the step's own); none
+        under shard="full" (FSDP2 reduce-scatters each step's gradients into its shards)."""
+        if self.shard == "full":
+            return set()
         tied = {id(p) for p, _, _ in self.ties.mine} if self.ties is not None else set()
         return super().accumulates_in_place() - tied
 
