@@ -2,9 +2,9 @@
 does): each process materialises only its own stages, and the weights equal those of the same
 model materialised whole in one process, at pp=2 (Llama and the tied GPT-2) and pp=4 (Llama);
 a step then equals the unsplit run in float64, and a second one, accumulated in place
-(grad_accumulation="in_place"), doubles the gradients. A meta model with no weights fails its first step
-on every rank at once, naming the parameters; a Llama loaded from a state dict gets its rotary
-inv_freq.
+(grad_accumulation="in_place"), doubles the gradients. A meta model with no weights fails its
+first step on every rank at once, naming the parameters; a Llama loaded from a state dict gets
+its rotary inv_freq.
 
 This file is also the worker: ``python tests/test_meta_distributed.py WORKER OUT_DIR``.
 """
