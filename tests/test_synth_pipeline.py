@@ -144,6 +144,27 @@ def test_autoplan_synthesis_beats_its_generators_and_stops_at_the_cap() -> None:
     assert any(f"over {SYNTH_MAX_CELLS} stage x microbatch cells" in n for n in big.notes)
 
 
+def test_auto_stages_build_with_the_synthesised_schedule_itself() -> None:
+    """stages="auto" (pipeline.elastic) hands the Pipeline the chosen candidate's settings:
+    a synthesised one's Schedule (it has no generator name), which the planner adopts with
+    the candidate's microbatches and chunks."""
+    from pipeline.elastic.layout import AutoLayout
+    from pipeline.planning.autoplan import AutoPlan, Candidate
+
+    schedule = head_heavy(2, 4)
+    best = Candidate(pp=2, dp=1, schedule="synth", microbatches=4, virtual_stages=1,
+                     step_time=1.0, pipeline_time=1.0, allreduce_time=0.0, bubble=0.1,
+                     peak_memory=(1.0, 1.0), built=schedule)
+    plan = AutoPlan(world_size=2, batch_size=8, memory_limit=None, candidates=[best],
+                    simulated=1, over_memory=0, pruned=0, seconds=0.0)
+    stages, dp, chosen, m, v = AutoLayout(plan, batch(0)[0]).settings
+    assert (stages, dp, chosen, m, v) == (2, 1, schedule, 4, 1)
+    pipe = Pipeline(uneven_gpt(), stages, schedule=chosen, microbatches=m, virtual_stages=v,
+                    loss_fn=lm_loss, balance="parameters", capture_method="fx")
+    check_step(pipe, uneven_gpt(), 0)
+    assert pipe.schedule.to_text() == schedule.to_text()
+
+
 def test_resynthesis_needs_measured_steps() -> None:
     pipe = Pipeline(uneven_gpt(), 2, schedule="auto", microbatches=4, loss_fn=lm_loss,
                     capture_method="fx", example_input=batch(0)[0])

@@ -39,10 +39,12 @@ class AutoLayout:
     example: Batch
 
     @property
-    def settings(self) -> tuple[int, int, str, int, int]:
-        """(stages, data_parallel, schedule, microbatches, virtual_stages) to build with."""
+    def settings(self) -> tuple[int, int, str | Schedule, int, int]:
+        """(stages, data_parallel, schedule, microbatches, virtual_stages) to build with (the
+        schedule itself when it was synthesised)."""
         best = self.plan.best
-        return best.pp, best.dp, best.schedule, best.microbatches, best.virtual_stages
+        schedule = best.built if best.built is not None else best.schedule
+        return best.pp, best.dp, schedule, best.microbatches, best.virtual_stages
 
 
 def replica_share(batch: Batch, data_parallel: int, dp_rank: int) -> Batch:
