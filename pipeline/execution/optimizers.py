@@ -90,8 +90,8 @@ class Sharded(Protocol):
 
 class OptimizerCheck:
     """A step pre-hook (every optimizer's, as torch registers it) that, for the parameters of
-    one executor's stages, stops an optimizer that would be silently wrong and warns of one
-    that would be silently unsharded, at its first step:
+    one executor's stages (its `Sharding`), stops an optimizer that would be silently wrong
+    and warns of one that would be silently unsharded, at its first step:
 
     - it holds parameters that ``shard="full"`` replaced by sharded ones (built before the plan
       was made): its steps would change nothing the pipeline runs: ValueError;
@@ -99,15 +99,15 @@ class OptimizerCheck:
       (the gradients are all-reduced) but every replica keeps the whole state: UserWarning.
 
     The fix named in both: ``pipe.optimizer(optimizer_class, **kwargs)`` once the plan is made.
-    The executor is held weakly; the hook is removed with it."""
+    The `Sharding` is held weakly; the hook is removed with it."""
 
-    def __init__(self, shard: str, executor: Sharded) -> None:
+    def __init__(self, shard: str, sharding: Sharded) -> None:
         self.shard = shard
-        self.executor = weakref.ref(executor)  # the hook lives in torch's global registry
+        self.sharding = weakref.ref(sharding)  # the hook lives in torch's global registry
         self.made: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         handle = register_optimizer_step_pre_hook(self)
-        weakref.finalize(executor, handle.remove)
+        weakref.finalize(sharding, handle.remove)
 
     def allow(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer` was made by `build_optimizer` for this executor's stages."""
@@ -115,21 +115,21 @@ class OptimizerCheck:
         self.made.add(local_optimizer(optimizer))
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        executor = self.executor()
-        if executor is None or optimizer in self.made or optimizer in self.seen:
+        sharding = self.sharding()
+        if sharding is None or optimizer in self.made or optimizer in self.seen:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         kind = type(local_optimizer(optimizer)).__name__
         fix = (f"build it with pipe.optimizer({kind}, ...) once the plan is "
                "made (pass example_input=... to Pipeline, or call it after the first step)")
-        full = executor.full
+        full = sharding.full
         if full is not None and any(full.stale.get(id(p)) is p for p in params):
             raise ValueError(
                 f"this {type(optimizer).__name__} holds parameters that shard='full' replaced by "
                 "sharded DTensors, so its steps would not change the model the pipeline runs; "
                 + fix
             )
-        own = {id(p) for m in executor.held().values() for p in m.parameters()}
+        own = {id(p) for m in sharding.held().values() for p in m.parameters()}
         if self.shard == "optimizer" and any(id(p) in own for p in params):
             warnings.warn(
                 f"shard='optimizer', but this {type(optimizer).__name__} keeps the whole "

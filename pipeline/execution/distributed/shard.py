@@ -76,12 +76,11 @@ class FullShard:
 
     At construction the stages' parameters become sharded DTensors, in the stage modules and
     in `model` (so ``model.named_parameters()`` and the Pipeline's name them as before);
-    `replaced` maps the id of each old parameter to its sharded one, `stale` to the old one
-    while it lives. `gather` all-gathers
-    the parameters into the stages for a step or forward; `reduce` reduce-scatters (and
-    averages) the gradients the step left on them into the sharded parameters' `.grad` and
-    frees the gathered ones; `release` frees them without reducing (after a forward, or a
-    failed step, whose gradients are dropped)."""
+    `stale` maps the id of each old parameter to it while it lives. `gather` all-gathers the
+    parameters into the stages for a step or forward; `reduce` reduce-scatters (and averages)
+    the gradients the step left on them into the sharded parameters' `.grad` and frees the
+    gathered ones; `release` frees them without reducing (after a forward, or a failed step,
+    whose gradients are dropped)."""
 
     def __init__(self, ctx: DistContext, model: nn.Module, stages: Sequence[nn.Module]) -> None:
         self.ctx = ctx
@@ -92,19 +91,19 @@ class FullShard:
         self.fsdp: FSDPModule = self.unit  # type: ignore[assignment]
         self.state = fully_shard.state(self.unit)  # type: ignore[attr-defined]
         self.state._lazy_init()  # the root's set-up, normally done by its first forward
-        self.replaced: dict[int, nn.Parameter] = {}
+        replaced: dict[int, Tensor] = {}
         # The old parameters, while anything (an optimizer built too early) holds them.
         self.stale: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         for s in stages:
             for owner, name, p in parameter_slots(s):
                 old = before[(id(owner), name)]
                 if p is not old:
-                    self.replaced[id(old)] = p  # type: ignore[assignment]
+                    replaced[id(old)] = p
                     self.stale[id(old)] = old
         for owner in model.modules():
             for name, held in owner._parameters.items():
-                if held is not None and id(held) in self.replaced:
-                    owner._parameters[name] = self.replaced[id(held)]
+                if held is not None and id(held) in replaced:
+                    owner._parameters[name] = replaced[id(held)]  # type: ignore[assignment]
 
     def gather(self) -> None:
         """All-gather the parameters into the stages, kept until `reduce` or `release`."""
