@@ -5,6 +5,8 @@ that copies only the parameters a measured forward writes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -243,3 +245,26 @@ def test_rebalance_after_meta_init_uses_the_real_weights() -> None:
     pipe.zero_grad()
     loss = pipe.step(x, y)
     assert float(loss) == pytest.approx(float(nn.MSELoss()(model(x), y).detach()), abs=1e-12)
+
+
+def test_meta_llama_from_a_checkpoint_of_another_layout(tmp_path: Path) -> None:
+    """A checkpoint saved at 2 stages loads into a meta-built Llama at 3: the loaded weights
+    as saved, the rotary inv_freq (in no checkpoint) from Hugging Face's init; same loss."""
+    from pipeline import Pipeline
+    from tests.real_models import lm_loss
+
+    torch.manual_seed(3)
+    ids, target = torch.randint(0, 48, (4, 6)), torch.randint(0, 48, (4, 6))
+    real = llama().double()
+    saved = Pipeline(real, stages=2, loss_fn=lm_loss, microbatches=2,
+                     example_input={"input_ids": ids})
+    saved.save_checkpoint(tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = llama().double()
+    pipe = Pipeline(model, stages=3, loss_fn=lm_loss, microbatches=2,
+                    example_input={"input_ids": ids})
+    pipe.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(model.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
+    loss = pipe.step({"input_ids": ids}, target)
+    expected = lm_loss(real(input_ids=ids), target).detach()
+    assert float(loss) == pytest.approx(float(expected), abs=1e-10)
