@@ -7,10 +7,10 @@ optimizer state (ZeRO-1) or everything (FSDP2) is really sharded. Checkpoints ac
 and modes: FSDP2 at pp=2 x dp=2 -> ZeRO-1 at pp=1 x dp=4 -> unsharded at pp=4 -> FSDP2 again
 (into DTensor shards), each run continuing the reference's losses; a whole state dict loads
 into shards (pipe(x) then equals the reference), and into a meta model's stages, which are
-sharded then. A plain optimizer where it would be wrong
-(shard="full") is an error, where it would be unsharded (shard="optimizer") a warning; bad
-shard values are rejected. This file is also the worker: ``python tests/test_shard.py shard
-OUT_DIR``."""
+sharded then. Under bf16 mixed precision each mode gives the unsharded run's losses and
+weights. A plain optimizer where it would be wrong (shard="full") is an error, where it would
+be unsharded (shard="optimizer") a warning; bad shard values are rejected. This file is also
+the worker: ``python tests/test_shard.py shard OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from tests.test_distributed import _all_ok, launch, lm_loss, make_model
 ATOL = 1e-9
 ROWS = 16  # global batch rows, split over the replicas
 CLIP = 0.05
-LR = dict(lr=0.02, weight_decay=0.1)
+LR: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1}
 
 Batch = Callable[[int], tuple[Any, torch.Tensor]]
 
@@ -165,7 +165,10 @@ def _restorer(model: nn.Module) -> Callable[[], None]:
     def restore() -> None:
         for m, k, t, value in slots:
             t.data = value.clone()
-            (m._parameters if k in m._parameters else m._buffers)[k] = t
+            if k in m._parameters:
+                m._parameters[k] = t  # type: ignore[assignment]
+            else:
+                m._buffers[k] = t
 
     return restore
 
@@ -271,6 +274,34 @@ def _wrong_optimizers() -> None:
                 pipe.optimizer(torch.optim.AdamW).step()
 
 
+def _mixed_precision() -> None:
+    """Under bf16 autocast (fp32 master weights) each shard mode gives the unsharded hybrid
+    run's losses and updated weights."""
+    from pipeline import Pipeline
+
+    x0 = _rows(_gpt_batch(0)[0], 0, 2)
+    runs: dict[str | None, tuple[Any, torch.optim.Optimizer, list[float]]] = {}
+    for shard in (None, "optimizer", "full"):
+        torch.manual_seed(0)
+        pipe = Pipeline(make_model().float(), stages=2, microbatches=4, loss_fn=lm_loss,
+                        balance="parameters", shard=shard, capture_method="fx",
+                        mixed_precision=torch.bfloat16, example_input=x0)
+        runs[shard] = (pipe, pipe.optimizer(torch.optim.AdamW, **LR), [])
+    d = runs[None][0].distributed.layout.dp_rank
+    for step in range(2):
+        x, y = _gpt_batch(step)
+        for pipe, opt, losses in runs.values():
+            pipe.zero_grad()
+            losses.append(float(pipe.step(_rows(x, d, 2), _rows(y, d, 2))))
+            opt.step()
+    states = {shard: run[0].state_dict() for shard, run in runs.items()}
+    for shard in ("optimizer", "full"):
+        assert runs[shard][2] == runs[None][2], (shard, runs[shard][2], runs[None][2])
+        if states[None] is not None:
+            for k, v in states[None].items():
+                torch.testing.assert_close(states[shard][k], v, atol=1e-6, rtol=0, msg=k)
+
+
 def worker_shard(out: Path) -> None:
     import torch.distributed as dist
 
@@ -279,10 +310,11 @@ def worker_shard(out: Path) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    planner.capture = memo_capture()  # type: ignore[assignment]
+    planner.capture = memo_capture()
     _equal_runs()
     _checkpoint_across_layouts(out)
     _wrong_optimizers()
+    _mixed_precision()
     dist.destroy_process_group()
     print("worker shard: every check ran")
 
