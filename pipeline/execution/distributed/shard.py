@@ -132,8 +132,6 @@ class FullShard:
         self.fsdp.reshard()
 
 
-
-
 class Sharding:
     """The executor's shard mode (`check_shard`), run through these calls: `averaged` (what
     GradSync all-reduces), `attach` (after each (re)build), `gather` / `reduce` / `release`
