@@ -268,3 +268,17 @@ def test_meta_llama_from_a_checkpoint_of_another_layout(tmp_path: Path) -> None:
     loss = pipe.step({"input_ids": ids}, target)
     expected = lm_loss(real(input_ids=ids), target).detach()
     assert float(loss) == pytest.approx(float(expected), abs=1e-10)
+
+
+def test_hugging_face_parent_inits_run_as_in_hugging_face() -> None:
+    """GPT-2's _init_weights rescales c_proj.weight when called on the attention module (a
+    parent): children first, then parents, as model.apply does."""
+    from tests.real_models import gpt2
+
+    with torch.device("meta"):
+        model = gpt2()
+    materialize(model, [model], torch.device("cpu"), seed=0)
+    attn = model.transformer.h[0].attn
+    scaled = 0.02 / (2 * model.config.n_layer) ** 0.5
+    assert float(attn.c_proj.weight.detach().std()) == pytest.approx(scaled, rel=0.25)
+    assert float(attn.c_attn.weight.detach().std()) == pytest.approx(0.02, rel=0.25)

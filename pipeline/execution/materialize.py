@@ -2,15 +2,23 @@
 device and real values, from the modules' own initialisation, the same whatever the layout.
 
 `materialize` allocates only the held meta tensors (the other stages' stay on meta, costing
-nothing), fills floating ones with NaN, then runs the initialisation of every module that owns
-one (children before parents, as ``model.apply`` does), each under torch's RNG seeded from the
-seed and the module's qualified name: a parameter gets the same values at any pipeline layout,
-and in one process. A tensor the initialisation left (partly) unwritten is a ValueError naming
-it: never ``to_empty`` garbage. The new tensors replace the meta ones
-in the model and in the stage modules (which may hold them in containers of their own). Only the
-meta tensors are written: while a module's initialisation runs, its other tensors (loaded from
-a state dict already) are stood in for by meta ones, so filling the non-persistent buffers a
-checkpoint lacks (Hugging Face's rotary ``inv_freq``) leaves the loaded weights alone.
+nothing), fills floating ones with NaN, then runs the initialisation of every module with one
+in its subtree (children before parents, as ``model.apply`` does: a parent may re-initialise
+its children's weights, as Hugging Face's GPT-2 scales ``c_proj.weight``), each under torch's
+RNG seeded from the seed and the module's qualified name: a parameter gets the same values at
+any pipeline layout, and in one process. A tensor the initialisation left (partly) unwritten
+is a ValueError naming it: never ``to_empty`` garbage. The new tensors replace the meta ones in
+the model, the stage modules and the captured graph modules (which hold them in containers of
+their own; swapping storage in place is refused while capture's fake-tensor memo holds weak
+references). Only the meta tensors are written: while a module's initialisation runs, the
+other tensors under it (loaded from a state dict already) are stood in for by meta ones, so
+filling the non-persistent buffers a checkpoint lacks (Hugging Face's rotary ``inv_freq``)
+leaves the loaded weights alone.
+
+A module whose initialisation draws random numbers for tensors on stages of different processes
+would draw differently (the other process's meta tensors consume none); capture keeps a leaf
+module's tensors in one unit (Linear, Embedding, and a transformer block by default), so only
+an init drawing across such units (a root-level one) could depend on the layout.
 
 `meta_tensors` names the meta tensors a process's stages still hold, for the check before a
 step (pipeline.execution.executor)."""
@@ -126,10 +134,13 @@ def materialize(
     made = _replace(holders, fresh)
     targets = {id(t): t for t in made}
     versions = {key: t._version for key, t in targets.items()}
+    below: dict[int, torch.device] = {}  # module id -> device of a target in its subtree
     for path, module in _post_order(model):
-        owned = [t for _, t in _direct(module) if id(t) in targets]
+        owned = [t.device for _, t in _direct(module) if id(t) in targets]
+        owned += [below[id(c)] for c in module.children() if id(c) in below]
         if owned:
-            with _seeded(seed_for(seed, path), owned[0].device), torch.no_grad(), \
+            below[id(module)] = owned[0]
+            with _seeded(seed_for(seed, path), owned[0]), torch.no_grad(), \
                     _only(module, targets):
                 init(module)
     try:
@@ -156,19 +167,20 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 @contextmanager
 def _only(module: nn.Module, targets: dict[int, Tensor]) -> Iterator[None]:
-    """While the block runs, `module`'s own real tensors that are not `targets` are replaced by
-    meta stand-ins (writes to them do nothing)."""
+    """While the block runs, the real tensors under `module` that are not `targets` are
+    replaced by meta stand-ins (writes to them do nothing)."""
     kept: list[tuple[dict[str, Any], str, Tensor]] = []
-    owned: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-    for slots in owned:
-        for field, t in slots.items():
-            if t is not None and not t.is_meta and id(t) not in targets:
-                kept.append((slots, field, t))
-                slots[field] = _fresh(t, torch.device("meta"))
+    for sub in module.modules():
+        owned: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
+        for slots in owned:
+            for field, t in slots.items():
+                if t is not None and not t.is_meta and id(t) not in targets:
+                    kept.append((slots, field, t))
+                    slots[field] = _fresh(t, torch.device("meta"))
     try:
         yield
     finally:
-        for slots, field, t in kept:
+        for slots, field, t in reversed(kept):
             slots[field] = t
 
 
