@@ -282,3 +282,14 @@ def test_hugging_face_parent_inits_run_as_in_hugging_face() -> None:
     scaled = 0.02 / (2 * model.config.n_layer) ** 0.5
     assert float(attn.c_proj.weight.detach().std()) == pytest.approx(scaled, rel=0.25)
     assert float(attn.c_attn.weight.detach().std()) == pytest.approx(0.02, rel=0.25)
+
+
+def test_simulate_after_meta_init_profiles_the_real_model() -> None:
+    from pipeline import Pipeline
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).double()
+    pipe = Pipeline(model, stages=2, loss_fn=nn.MSELoss(), microbatches=2,
+                    balance="parameters", init_fn="reset_parameters",
+                    example_input=torch.randn(4, 8, dtype=torch.float64))
+    assert pipe.simulate().step_time > 0  # profiled now, on the materialised model

@@ -142,8 +142,10 @@ def measure(graph: nx.DiGraph, model: torch.nn.Module, example: tuple[Any, ...],
     partitioner.estimate) when the model is on the meta device."""
     if on_meta(model):
         estimate(graph, example, device=device)
-    else:
-        profile(graph, model, example, device=device)
+    else:  # a meta model materialised since it was captured: time it on zeros of those shapes
+        real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
+                        if isinstance(t, torch.Tensor) and t.is_meta else t, example)
+        profile(graph, model, real, device=device)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
