@@ -295,3 +295,32 @@ def test_outputs_whose_rows_interact_are_named() -> None:
     with pytest.raises(ValueError, match=r"output\['logits_per_image'\] has per-microbatch "
                                          r"shapes \[\(3, 3\), \(2, 2\)\]"):
         merge_microbatches(parts)
+
+
+def test_recapture_errors_name_dynamic_dims() -> None:
+    """An explicit balance that no longer fits the re-captured units, and a process that holds
+    only its stages (torch.distributed), cannot capture again: both errors name the fix."""
+    from torch.utils._pytree import tree_flatten
+
+    from pipeline.planning.planner import Coordination, Planner, decide_alone
+
+    spec = SPECS["gpt2"]
+    x, _ = spec.batch(4, 8)
+    sizes = Pipeline(build("gpt2"), 2, microbatches=2, balance="uniform",
+                     example_input=x).plan.sizes
+    pipe = Pipeline(build("gpt2"), 2, microbatches=2, loss_fn=spec.loss_fn, balance=sizes,
+                    example_input=x)
+    with pytest.raises(ValueError, match=r"input_ids\[1\].*no longer fits: build the Pipeline "
+                                         r"with dynamic_dims=\(1,\)"):
+        pipe.step(*spec.batch(4, 6))
+
+    planner = Planner(build("gpt2"), 2, schedule="1f1b", microbatches=2, virtual_stages=None,
+                      balance="parameters", leaf_modules=None)
+    leaves, planner.call_spec = tree_flatten(((), x))
+    local = Coordination(True, decide_alone, torch.device("cpu"), keeps_whole_model=True)
+    planned = planner.make(tuple(leaves), local)
+    split = Coordination(True, decide_alone, torch.device("cpu"), keeps_whole_model=False)
+    longer = tree_flatten(((), spec.batch(4, 10)[0]))[0]
+    with pytest.raises(ValueError, match=r"under torch.distributed .* dynamic_dims=\(1,\)"):
+        planner.recapture(planned, tuple(longer), split)
+    assert planner.recapture(planned, tuple(leaves), split) is None  # nothing changed

@@ -43,6 +43,7 @@ from pipeline.planning.shapes import (
     changed_static_dims,
     check_dims,
     describe,
+    dims_of,
     pairs_for,
     still_static,
     with_dims,
@@ -335,12 +336,11 @@ class Planner:
         if not changed:
             return None
         if not how.keeps_whole_model:
-            dims = sorted({d for _, d in changed})
             raise ValueError(
                 f"this batch changes {describe(planned.graph, changed)}, a size the capture "
                 "made static; under torch.distributed each process holds only its stages, so "
                 f"the model cannot be captured again: build the Pipeline with dynamic_dims="
-                f"{tuple(dims)!r} (or give batches of the first batch's shape)"
+                f"{dims_of(changed)!r} (or give batches of the first batch's shape)"
             )
         self.changed |= changed
         log.info("hybridpipe: capturing again with %s dynamic", describe(planned.graph, changed))
@@ -354,6 +354,14 @@ class Planner:
             return None
         plan, costs = planned.plan, planned.costs
         if not carry_over(planned.graph, graph):
+            if not isinstance(self.balance, str):
+                raise ValueError(
+                    f"this batch changes {describe(planned.graph, changed)}; captured again "
+                    f"with it dynamic the model has {len(graph)} units (was "
+                    f"{len(planned.graph)}), so balance={list(self.balance)} no longer fits: "
+                    f"build the Pipeline with dynamic_dims={dims_of(changed)!r} (then the counts "
+                    "are of that capture), or balance='profile'/'parameters'"
+                )
             if self.balance == "profile":
                 measure(graph, self.model, planned.example, how.device)
             plan = partition(graph, planned.schedule.num_stages, self.balance)

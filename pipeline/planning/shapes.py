@@ -91,6 +91,11 @@ def with_dims(plan: Any, graph: nx.DiGraph) -> Any:
     return dataclasses.replace(plan, dynamic_dims=dynamic_dims(graph))
 
 
+def dims_of(pairs: Pairs) -> tuple[int, ...]:
+    """The dims of `pairs`, as `dynamic_dims` takes them."""
+    return tuple(sorted({d for _, d in pairs}))
+
+
 def describe(graph: nx.DiGraph, pairs: Pairs) -> str:
     names: list[str] = graph.graph["inputs"]
     return ", ".join(f"{names[i]}[{d}]" for i, d in sorted(pairs))
