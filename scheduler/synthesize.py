@@ -7,9 +7,9 @@ Method (a heuristic, in the spirit of the Zero Bubble paper's automatic schedule
    does not split backward gets each W right after its B, which is never slower: a B's output
    leaves earlier and memory is freed at the same time), kept if it fits the limit, plus the
    one-microbatch-at-a-time order that fits any limit >= virtual_stages.
-2. List scheduling (`scheduler.listsched`) under a grid of policies: op priorities (B/F/W in
-   every order), per-rank in-flight caps (flat, and 1F1B's / ZB-H2's staircases) up to the
-   limit, with and without keeping the backward path clear.
+2. List scheduling (`scheduler.listsched`) under a grid of policies: six op priorities (B or F
+   first with W filling idle time, with and without holding for a coming B; F, W, B; W, F,
+   B), per-rank in-flight caps (flat, and 1F1B's / ZB-H2's staircases) up to the limit.
 3. Local search from the best few: moves on the critical path of the simulated step (an action
    that waited for its rank moves up to 4 places earlier, or the action it waited for up to
    4 places later), first improvement of (step, sum of rank finish times) accepted, until no
@@ -19,8 +19,10 @@ Of the schedules with the shortest step, the one holding the fewest activations 
 
 Why not an exact model: an ILP (what the Zero Bubble paper uses for small sizes) needs a
 solver dependency this pure-Python package does not have and grows past seconds well before
-p=8, m=32; the list scheduler reaches the generators' shapes from the costs, and the local
-search closes most of the rest of the gap to `lower_bound` (benchmarks/bench_synth.py).
+p=8, m=32. The list scheduler reaches the generators' shapes from the costs and the local
+search polishes them; benchmarks/bench_synth.py reports the gap left to `lower_bound` (25x
+the evaluation budget moved no result at p=8, m=32: the search ends in a local optimum, not
+for lack of time).
 
 Every result is checked by the simulator itself (which raises on a deadlock) and by the
 memory count `Timeline.peak_inflight` uses. The search is deterministic: the same inputs give
@@ -41,7 +43,6 @@ from scheduler.validate import dependencies, execute
 
 Orders = list[list[Action]]
 Times = list[list[tuple[float, float]]]
-_OPS = {Op.F: 0, Op.B: 1, Op.W: 2}
 _PRIORITIES = (((1, 0, 2), False), ((1, 0, 2), True), ((0, 1, 2), False), ((0, 1, 2), True),
                ((0, 2, 1), False), ((2, 0, 1), False))
 _SEEDS_SEARCHED = 3
