@@ -10,6 +10,7 @@ import logging
 
 from partitioner import split_model
 from pipeline.facade.setup import Setup
+from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
     Calibration,
     Rebalance,
@@ -31,7 +32,7 @@ class Measurement:
     """Step traces of one Pipeline (`setup` gives its plan and executor) and what is computed
     from them; `auto_rebalance`: re-balance once when two traces are in. With
     schedule="auto", in one process, a schedule is synthesised once from two traces of the
-    running one (after any re-balance)."""
+    running one (after any re-balance), up to `SYNTH_MAX_CELLS` stages x microbatches."""
 
     def __init__(self, setup: Setup, stages: int, auto_rebalance: bool) -> None:
         self.setup = setup
@@ -58,7 +59,8 @@ class Measurement:
             self.rebalance()
         if (self.setup.planner.auto_schedule and self.resynthesized is None
                 and len(self.measured) >= 2
-                and self.setup.executor.coordination.keeps_whole_model):
+                and self.setup.executor.coordination.keeps_whole_model
+                and schedule.num_stages * schedule.num_microbatches <= SYNTH_MAX_CELLS):
             self.resynthesize()
 
     @property
