@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import random
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,6 +125,39 @@ def test_async_save_writes_the_state_of_the_call(tmp_path: Path) -> None:
     pipe.wait_checkpoint()
     assert listing(tmp_path / "ckpt") == ["current", "v-000003"]
     assert fresh.load_checkpoint(tmp_path / "ckpt", fresh_opt) == "c"
+
+
+class _SlowDisk(_FullDisk):
+    """DCP's file streams on a disk whose first write to a file takes `room` seconds."""
+
+    def write(self, data: Any) -> int:
+        time.sleep(self.room)
+        self.room = 0
+        return int(self.stream.write(data))
+
+
+def test_wait_for_a_slow_save_is_bounded_and_can_be_repeated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    pipe = make_pipe()
+    real = filesystem.FileSystem.create_stream
+
+    @contextmanager
+    def slow(self: Any, path: Any, mode: str) -> Any:
+        with real(self, path, mode) as stream:
+            yield _SlowDisk(stream, 0.5) if "w" in mode else stream
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", slow)
+    pipe.save_checkpoint(tmp_path / "ckpt", extra="slow", async_save=True)
+    with pytest.raises(TimeoutError, match=r"did not end within 0.05 s; the previous checkpoint "
+                                           r"stays live. Wait longer"):
+        pipe.wait_checkpoint(timeout=0.05)
+    pipe.wait_checkpoint()  # the same save, still in flight, is waited for again
+    monkeypatch.undo()
+    assert listing(tmp_path / "ckpt") == ["current", "v-000001"]
+    assert pipe.load_checkpoint(tmp_path / "ckpt") == "slow"
 
 
 @pytest.mark.parametrize("async_save", [False, True])

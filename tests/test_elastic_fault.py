@@ -3,7 +3,8 @@ each: pp=2 x dp=2) train examples/train_hybrid.py in float64 with asynchronous p
 checkpoints; one agent and its workers are killed (SIGKILL) mid-training, as a lost machine.
 The surviving agent restarts its workers (``--max-restarts``), which re-plan for a world of 2
 (pp=2 x dp=1, twice the microbatches per replica), resume from the last checkpoint and finish;
-every step's loss equals the uninterrupted reference run's (1e-9). The time from the kill to
+every step's loss equals the uninterrupted run's (the unsplit model trained on the same global
+batches, 1e-9). The time from the kill to
 the first resumed step is printed (``-s`` shows it).
 
 The test hosts the rendezvous store itself (both agents join it with ``is_host=0``), as a
@@ -31,8 +32,11 @@ ARGS = ["--stages", "2", "--steps", str(STEPS), "--save-every", str(EVERY), "--k
 
 
 def _env() -> dict[str, str]:
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: each restart's workers get a fresh store of their own
+    # (hosted by their rank 0), not the long-lived rendezvous store, where the keys of the
+    # previous attempt's process groups (the dead workers' addresses) would still be found.
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HYBRIDPIPE_TIMEOUT="10",
-                LOGLEVEL="WARNING")
+                LOGLEVEL="WARNING", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
 def _agent(port: int, out: Path, name: str, extra: list[str]) -> subprocess.Popen[bytes]:
@@ -80,6 +84,31 @@ def _losses(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _reference_losses() -> dict[int, float]:
+    """The uninterrupted run: the unsplit model on each step's global batch (the pipeline equals
+    it in float64; tests/test_pipeline_transparency.py), as examples/train_hybrid.py sets it up."""
+    import torch
+    from torch.nn import functional as F
+
+    from pipeline.app.models import GPT
+    from pipeline.app.textdata import TokenBatches, stdlib_corpus
+
+    torch.manual_seed(0)
+    model = GPT(vocab=256, dim=32, layers=2, heads=4, max_seq=16).to(torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = TokenBatches(stdlib_corpus(), 8, 16, seed=0)
+    losses = {}
+    for step in range(STEPS):
+        x, y = data.at(step)
+        optimizer.zero_grad()
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        losses[step] = float(loss.detach())
+    return losses
+
+
 def _wait(proc: subprocess.Popen[bytes], deadline: float, what: str, out: Path) -> None:
     try:
         proc.wait(max(1.0, deadline - time.monotonic()))
@@ -93,18 +122,7 @@ def _wait(proc: subprocess.Popen[bytes], deadline: float, what: str, out: Path) 
 def test_losing_an_agent_resumes_on_the_survivor(tmp_path: Path) -> None:
     import torch.distributed as dist
 
-    # The reference: the same training, uninterrupted, on one agent at pp=2 x dp=2.
-    ref = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(ROOT / "examples" / "train_hybrid.py"), *ARGS,
-         "--checkpoint", str(tmp_path / "ref-ckpt"), "--losses", str(tmp_path / "ref.jsonl")],
-        env=_env(), stdout=open(tmp_path / "ref.log", "w"),  # noqa: SIM115
-        stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-    )
-    _wait(ref, time.monotonic() + 240, "the reference run", tmp_path)
-    reference = {int(r["step"]): r["loss"] for r in _losses(tmp_path / "ref.jsonl")}
-    assert ref.returncode == 0 and sorted(reference) == list(range(STEPS)), reference
-
+    reference = _reference_losses()
     store = dist.TCPStore("127.0.0.1", 0, None, True,
                           timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     losses = tmp_path / "run.jsonl"
@@ -133,7 +151,9 @@ def test_losing_an_agent_resumes_on_the_survivor(tmp_path: Path) -> None:
         _kill_tree(b)
     runs = _losses(losses)
     after = [r for r in runs if r["time"] > killed_at]
-    assert a.returncode == 0, (tmp_path / "agent-a.log").read_text()[-4000:]
+    log = (tmp_path / "agent-a.log").read_text()
+    assert a.returncode == 0, log[-4000:]
+    assert "connectFullMesh failed" not in log, log[-4000:]  # the first restart came up
     assert after and {r["data_parallel"] for r in after} == {1}, runs
     # Resumed from the last live checkpoint (one save may still have been in flight).
     first = int(after[0]["step"])

@@ -24,9 +24,16 @@ writer killed at any moment leaves ``current`` naming the previous, complete ver
 save removes what the dead writer left. The directory must be on storage every process can
 read and write.
 
+Retention and asynchronous saves: ``keep=k`` keeps the k newest versions (older ones are
+deleted once a new one is live; a version newer than the live one is a failed or killed
+writer's and is removed by the next save). With an `AsyncWriter` (``background``) a save
+returns once this process's tensors are copied; DCP writes them from a background thread and
+global rank 0 makes the version live when every process's files are written.
+
 Loads are all-or-nothing: `load_checkpoint` checks the format, the model's keys and shapes,
 the optimizer's type, param groups and per-parameter state, reads this process's tensors into
-fresh buffers, and only then changes the optimizer and the stages.
+fresh buffers, and only then changes the optimizer and the stages. A missing, truncated or
+unreadable data file (or DCP index) is a ValueError naming the file.
 
 Large models without materialising them whole: build the model on the meta device (``with
 torch.device("meta"): model = Model()``); the Pipeline captures it on meta and balances it by
@@ -43,8 +50,9 @@ stages' bytes are never read); what the file lacks (non-persistent buffers such 
 optimizer after loading. ``Pipeline(..., init_fn=...)`` initialises from scratch instead.
 
 Modules, one job each: `state` (spec, checks, gather, load into the held stages), `files`
-(atomic writes, versions, a full disk), `extra` (what ``extra`` may hold), `optim` (the
-optimizer state plan) and `saveload` (the save/load entry points).
+(atomic writes, versions and retention, a full disk), `extra` (what ``extra`` may hold),
+`optim` (the optimizer state plan), `background` (asynchronous saves) and `saveload` (the
+save/load entry points).
 """
 
 from pipeline.checkpoint.extra import check_extra

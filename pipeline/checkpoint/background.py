@@ -38,10 +38,6 @@ class AsyncWriter:
         self._error: BaseException | None = None
         self._where: tuple[Path, int] = (Path(), 0)
 
-    @property
-    def in_flight(self) -> bool:
-        return self._done is not None
-
     def start(
         self, tensors: dict[str, Tensor], version: Path, *, finish: Callable[[], None] | None,
         discard: Callable[[], None], root: Path, need: int,
@@ -86,16 +82,17 @@ class AsyncWriter:
         """Return once the save in flight (if any) is live on every process; raise its error
         (a full disk as OSError(ENOSPC)) otherwise. Under torch.distributed every process
         calls it. Bounded by `timeout` seconds (default: the pipeline's timeout)."""
-        done, self._done = self._done, None
+        done = self._done
         if done is None:
             return
         limit = self.timeout if timeout is None else timeout
-        if not done.wait(limit):
+        if not done.wait(limit):  # still in flight: a later wait waits for it again
             raise TimeoutError(
                 f"the background checkpoint save to {str(self._where[0])!r} did not end within "
                 f"{limit:g} s; the previous checkpoint stays live. Wait longer "
                 "(pipe.wait_checkpoint(timeout=...)) or check the storage"
             )
+        self._done = None
         failed = self._error is not None
         if self._ctx is not None and self._group is not None:
             # Every process learns whether any failed (global rank 0's switch included).
