@@ -4,7 +4,8 @@ estimate that balances a model built on meta.
 1. Peak RSS per process (ru_maxrss) of a Llama-style model of 374M parameters (fp32, 1.39 GiB;
    hidden 1024, 24 layers, vocab 32000) at pp=2 and pp=4 under torchrun (gloo, 1 thread per
    process), built on CPU (every process builds the whole model) and on meta (each process
-   materialises its own stages, ``init_fn="reset_parameters"``): after the imports, after
+   materialises its own stages, ``init_fn="reset_parameters"``; "meta+load": from a state
+   dict file, ``pipe.load_state_dict(torch.load(path, mmap=True))``): after the imports, after
    building the model, once the Pipeline is built (construction), and after two steps without
    zero_grad (gradient accumulation; default "atomic" mode and, on meta at pp=2,
    ``grad_accumulation="in_place"``). Set against the process's share of the model (largest
@@ -40,7 +41,8 @@ LLAMA_400M = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                   num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
                   max_position_embeddings=256)
 RUNS = (("cpu", 2, "atomic"), ("meta", 2, "atomic"), ("meta", 2, "in_place"),
-        ("cpu", 4, "atomic"), ("meta", 4, "atomic"))
+        ("meta+load", 2, "atomic"), ("cpu", 4, "atomic"), ("meta", 4, "atomic"))
+WEIGHTS = RESULTS / ".llama374m.pt"  # the meta+load runs' state dict (written, then removed)
 
 
 def _peak() -> float:
@@ -65,7 +67,7 @@ def worker(build: str, stages: int, accumulation: str) -> None:
     torch.manual_seed(0)
     marks = {"imports": _peak()}
     config = LlamaConfig(**LLAMA_400M)
-    if build == "meta":
+    if build.startswith("meta"):
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
     else:
@@ -77,6 +79,8 @@ def worker(build: str, stages: int, accumulation: str) -> None:
     pipe = Pipeline(model, stages=stages, loss_fn=_lm_loss, microbatches=2, balance="parameters",
                     example_input={"input_ids": x}, grad_accumulation=accumulation,
                     init_fn="reset_parameters" if build == "meta" else None)
+    if build == "meta+load":  # each process reads its own stages' bytes of the mmap'd file
+        pipe.load_state_dict(torch.load(WEIGHTS, mmap=True, weights_only=True))
     marks["Pipeline built"] = _peak()
     share = sum(p.numel() * p.element_size() for p in pipe.parameters())
     begin = time.perf_counter()
@@ -92,11 +96,18 @@ def worker(build: str, stages: int, accumulation: str) -> None:
 
 
 def memory_part() -> list[dict[str, Any]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    torch.save(LlamaForCausalLM(LlamaConfig(**LLAMA_400M)).state_dict(), WEIGHTS)
     rows: list[dict[str, Any]] = []
-    for build, stages, accumulation in RUNS:
-        found = gather(__file__, stages, build, str(stages), accumulation, timeout=1800)
-        rows += [{"build": build, "pp": stages, "grad_accumulation": accumulation, "rank": rank,
-                  **got} for rank, got in enumerate(found)]
+    try:
+        for build, stages, accumulation in RUNS:
+            found = gather(__file__, stages, build, str(stages), accumulation, timeout=1800)
+            rows += [{"build": build, "pp": stages, "grad_accumulation": accumulation,
+                      "rank": rank, **got} for rank, got in enumerate(found)]
+    finally:
+        WEIGHTS.unlink()
     return rows
 
 
