@@ -101,11 +101,11 @@ def sandbox(model: nn.Module) -> Iterator[Sandbox]:
             torch.cuda.set_rng_state_all(cuda_rng)
         written = [p for p, v in zip(params, versions, strict=True)
                    if p._version != v and id(p) not in mode.saved]
-        if written:
-            names = {id(p): n for n, p in model.named_parameters()}
-            raise RuntimeError(
-                "measuring the model changed parameter(s) "
-                f"{', '.join(names.get(id(p), '?') for p in written)} in place where the "
-                "sandbox could not see it (a write outside torch's ops?); build the model so "
-                "its forward does not write its own weights"
-            )
+    if written:  # only when the body succeeded: its own error says more
+        names = {id(p): n for n, p in model.named_parameters()}
+        raise RuntimeError(
+            "measuring the model changed parameter(s) "
+            f"{', '.join(names.get(id(p), '?') for p in written)} in place where the "
+            "sandbox could not see it (a write outside torch's ops?); build the model so "
+            "its forward does not write its own weights"
+        )
