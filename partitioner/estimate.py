@@ -5,8 +5,8 @@ would measure (the same node attributes, so partitioning and stage costs read th
 
 time = FLOPs / `flops_per_second` + bytes / `bytes_per_second`: matrix products are priced by
 their FLOPs, element-wise work (norms, activations, softmax; no FLOPs counted) by the bytes it
-reads and writes. The forward moves its inputs, outputs and parameters; B (input grad) moves
-them again; W (weight grad) its inputs and the weight grads. Only the ratio of the two rates
+reads and writes. The forward moves its inputs, outputs and parameters; B (input grad) and W
+(weight grad) are each priced as moving them once more. Only the ratio of the two rates
 matters for balance; the defaults are rough CPU and GPU figures. Measured steps refine it
 (`Pipeline.rebalance`, calibration)."""
 
