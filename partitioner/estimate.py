@@ -4,9 +4,8 @@ and the weight-grad walk, and the bytes it moves, and turn them into the seconds
 would measure (the same node attributes, so partitioning and stage costs read them alike).
 
 time = FLOPs / FLOP rate + bytes / byte rate (`rates`, by default `RATES` for the device
-type): matrix products are priced by
-their FLOPs, element-wise work (norms, activations, softmax; no FLOPs counted) by the bytes it
-reads and writes. The forward moves its inputs, outputs and parameters; B (input grad) and W
+type): matrix products are priced by their FLOPs, element-wise work (norms, activations,
+softmax; no FLOPs counted) by the bytes it reads and writes. The forward moves its inputs, outputs and parameters; B (input grad) and W
 (weight grad) are each priced as moving them once more. Only the ratio of the two rates
 matters for balance; the defaults are rough CPU and GPU figures. Measured steps refine it
 (`Pipeline.rebalance`, calibration)."""
