@@ -5,10 +5,10 @@ would measure (the same node attributes, so partitioning and stage costs read th
 
 time = FLOPs / FLOP rate + bytes / byte rate (`rates`, by default `RATES` for the device
 type): matrix products are priced by their FLOPs, element-wise work (norms, activations,
-softmax; no FLOPs counted) by the bytes it reads and writes. The forward moves its inputs, outputs and parameters; B (input grad) and W
-(weight grad) are each priced as moving them once more. Only the ratio of the two rates
-matters for balance; the defaults are rough CPU and GPU figures. Measured steps refine it
-(`Pipeline.rebalance`, calibration)."""
+softmax; no FLOPs counted) by the bytes it reads and writes. The forward moves its inputs,
+outputs and parameters; B (input grad) and W (weight grad) are each priced as moving them once
+more. Only the ratio of the two rates matters for balance; the defaults are rough CPU and GPU
+figures. Measured steps refine it (`Pipeline.rebalance`, calibration)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
+
+from partitioner.probe import probe
 
 # (FLOP/s, bytes/s) per device type: the balance depends on their ratio only.
 RATES = {"cpu": (5e10, 1e10), "cuda": (2e14, 2e12)}
@@ -81,40 +83,17 @@ class _Estimator(fx.Interpreter):
         self, n: fx.Node, run: Any, args: Any, kwargs: Any, params: list[nn.Parameter],
         moved: float,
     ) -> dict[str, float]:
-        leaves: list[torch.Tensor] = []
-        weights: list[torch.Tensor] = [p for p in params if p.requires_grad]
-        weight_ids = {id(p) for p in weights}
-
-        def as_leaf(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                leaf = t.detach().requires_grad_()
-                leaves.append(leaf)
-                return leaf.clone()
-            return t
-
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if id(t) not in weight_ids and not isinstance(t, nn.Parameter):
-                saved[id(t)] = t.numel() * t.element_size()
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            a, kw = tree_map(as_leaf, (args, kwargs))
-            out = run(n.target, a, kw)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        stats: dict[str, float] = {"activation_bytes": float(sum(saved.values()))}
-        if not outs or not (leaves or weights):
+        own: list[torch.Tensor] = [p for p in params if p.requires_grad]
+        ids = {id(p) for p in own}
+        got = probe(run, n.target, args, kwargs, weights=own,
+                    is_param=lambda t: isinstance(t, nn.Parameter) or id(t) in ids, key=id)
+        stats: dict[str, float] = {"activation_bytes": got.activation_bytes}
+        if not got.has_backward:
             return stats
-        grads = [torch.ones_like(t) for t in outs]
-
-        def grad_of(wrt: list[torch.Tensor]) -> Callable[[], Any]:
-            return lambda: torch.autograd.grad(
-                outs, wrt, grads, retain_graph=True, allow_unused=True
-            )
-
-        total = _flops(grad_of(leaves + weights))
-        input_flops = _flops(grad_of(leaves)) if leaves and weights else (total if leaves else 0)
+        leaves, weights = got.leaves, got.weights
+        total = _flops(got.grad_of(leaves + weights))
+        input_flops = _flops(got.grad_of(leaves)) if leaves and weights else (
+            total if leaves else 0)
         input_flops = min(input_flops, total)
         input_grad = self.seconds(input_flops, moved) if leaves else 0.0
         weight_grad = self.seconds(total - input_flops, moved) if weights else 0.0

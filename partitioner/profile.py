@@ -29,6 +29,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from partitioner.exported import retarget
+from partitioner.probe import probe
 from partitioner.sandbox import Sandbox, sandbox
 
 Progress = Callable[[int, int, str], None]
@@ -177,49 +178,24 @@ class _Profiler(fx.Interpreter):
         return stats
 
     def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, float]:
-        leaves: list[torch.Tensor] = []
-        weights: list[torch.Tensor] = []
-
-        def as_leaf(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                leaf = t.detach().requires_grad_()
-                # A parameter reaching a function node as an argument (get_attr) is a weight.
-                (weights if t.data_ptr() in self.params else leaves).append(leaf)
-                return leaf.clone()  # a non-leaf copy, so in-place ops in the node are legal
-            return t
-
+        own = []
         if n.op == "call_module":
-            sub = self.fetch_attr(str(n.target))
-            weights.extend(p for p in sub.parameters() if p.requires_grad)
-        saved: dict[tuple[int, int], int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.data_ptr() not in self.params:
-                saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            a, kw = tree_map(as_leaf, (args, kwargs))
-            out = run(n.target, a, kw)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        stats: dict[str, float] = {"activation_bytes": float(sum(saved.values()))}
-        if not outs or not (leaves or weights):
+            own = [p for p in self.fetch_attr(str(n.target)).parameters() if p.requires_grad]
+        got = probe(run, n.target, args, kwargs, weights=own,
+                    is_param=lambda t: t.data_ptr() in self.params,
+                    key=lambda t: (t.data_ptr(), t.numel()))
+        stats: dict[str, float] = {"activation_bytes": got.activation_bytes}
+        if not got.has_backward:
             return stats
-        grads = [torch.ones_like(t) for t in outs]
-
-        def grad_of(wrt: list[torch.Tensor]) -> Callable[[], Any]:
-            return lambda: torch.autograd.grad(
-                outs, wrt, grads, retain_graph=True, allow_unused=True
-            )
-
-        backward = self._median(grad_of(leaves + weights))
+        leaves, weights = got.leaves, got.weights
+        backward = self._median(got.grad_of(leaves + weights))
         # B: the input-grad walk alone (capped by the whole backward against timing noise).
         if not leaves:
             input_grad = 0.0
         elif not weights:
             input_grad = backward
         else:
-            input_grad = min(backward, self._median(grad_of(leaves)))
+            input_grad = min(backward, self._median(got.grad_of(leaves)))
         stats["backward_time"] = backward
         stats["input_grad_time"] = input_grad
         stats["weight_grad_time"] = backward - input_grad
