@@ -9,6 +9,7 @@ losses, optimizer and RNG state of the uninterrupted run (float64, 1e-9)."""
 from __future__ import annotations
 
 import errno
+import logging
 import random
 import re
 import time
@@ -273,3 +274,33 @@ def test_auto_stages_need_torchrun() -> None:
     with pytest.raises(ValueError, match=r'stages="auto" chooses \(stages, data_parallel\) for '
                                          r"the world size under torchrun"):
         Pipeline(GPT(vocab=32, dim=16, layers=2, heads=2, max_seq=8), stages="auto")
+
+
+def test_resume_falls_back_to_an_older_version_when_the_live_one_is_damaged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = make_pipe()
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    ckpt = Checkpointer(pipe, tmp_path / "ckpt", opt, every=2, keep=2)
+    losses = []
+    for step in range(4):
+        losses.append(train(pipe, opt, step))
+        ckpt.maybe_save(step + 1)
+    ckpt.close()
+    _damage(tmp_path / "ckpt" / "v-000002", "truncated")
+    again = make_pipe(seed=3)
+    again_opt = torch.optim.Adam(again.parameters(), lr=1.0)
+    with caplog.at_level(logging.WARNING, logger="hybridpipe"):
+        resumed = Checkpointer(again, tmp_path / "ckpt", again_opt).resume()
+    assert resumed is not None and (resumed.step, resumed.version.name) == (2, "v-000001")
+    assert re.search(r"checkpoint version v-000002 of .* not loaded \(checkpoint .* is damaged",
+                     caplog.text), caplog.text
+    for step in (2, 3):
+        torch.testing.assert_close(train(again, again_opt, step), losses[step], atol=1e-9,
+                                   rtol=0)
+    with pytest.raises(ValueError, match=r"has no version 'v-000009'; it holds \['v-000001', "
+                                         r"'v-000002'\]"):
+        again.load_checkpoint(tmp_path / "ckpt", version="v-000009")
+    _damage(tmp_path / "ckpt" / "v-000001", "truncated")  # none loads: the newest one's error
+    with pytest.raises(ValueError, match=r"v-000002/__0_0.distcp' .*: it is truncated"):
+        Checkpointer(again, tmp_path / "ckpt", again_opt).resume()

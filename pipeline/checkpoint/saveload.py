@@ -40,6 +40,7 @@ from pipeline.checkpoint.files import (
     _prepare_version,
     _single_process_quiet,
     atomic_save,
+    versions,
 )
 from pipeline.checkpoint.optim import (
     FLAT,
@@ -188,12 +189,22 @@ def _spec_to_json(spec: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
     }
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
-    """The live version directory of checkpoint `path` and its ``hybridpipe.pt``, checked."""
+def read_checkpoint(
+    path: str | os.PathLike[str], version: str | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The live version directory of checkpoint `path` (or the retained `version`, e.g.
+    "v-000003") and its ``hybridpipe.pt``, checked."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"no checkpoint at {os.fspath(path)!r}")
     live = _live_version(root) if root.is_dir() else None
+    if version is not None and live is not None:
+        if version not in versions(root):
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} has no version {version!r}; it holds "
+                f"{versions(root)}"
+            )
+        live = version
     if live is None or not (root / live / _META).is_file():
         raise ValueError(
             f"{os.fspath(path)!r} is not a hybridpipe checkpoint (no {_POINTER!r} naming a "
@@ -316,13 +327,15 @@ def load_checkpoint(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     model: nn.Module | None = None,
+    version_name: str | None = None,
 ) -> Any:
     """Load a checkpoint written by `save_checkpoint` at any layout into the stages held here
-    (and `optimizer`, whose parameters `model` names); returns the saved `extra`. Everything is
+    (and `optimizer`, whose parameters `model` names); returns the saved `extra`. By default
+    the live version; `version_name`: a retained older one (`files.versions`). Everything is
     checked, and this process's tensors read, before the stages or the optimizer change: a
     checkpoint of another model or optimizer is a ValueError and changes nothing. Under
     torch.distributed every process must call it."""
-    version, meta = read_checkpoint(path)
+    version, meta = read_checkpoint(path, version_name)
     source = f"checkpoint {os.fspath(path)!r}"
     _check_model(source, meta, spec)
     try:

@@ -1,5 +1,6 @@
 """`Checkpointer`: resume and periodic checkpoints as a training-loop helper. `resume` finds
-the live (latest complete) checkpoint of a directory, loads the model, the optimizer, the data
+the latest complete version of a checkpoint directory (the live one, or, if a process cannot
+read it, the newest older one retained by `keep`), loads the model, the optimizer, the data
 position and the RNG states at whatever layout this run has, and reports what it resumed
 (`Resumed`); `maybe_save` saves every `every` steps, keeping the last `keep` versions, and
 asynchronously if asked (the step stalls only while the tensors are copied).
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint import read_checkpoint
+from pipeline.checkpoint.files import versions
 
 if TYPE_CHECKING:
     from pipeline.api import Pipeline
@@ -113,13 +115,38 @@ class Checkpointer:
         self.every, self.keep, self.async_save = every, keep, async_save
 
     def resume(self) -> Resumed | None:
-        """Load the live checkpoint of `path` (see the module docstring), or return None
-        when there is none yet. Logged on the "hybridpipe" logger."""
+        """Load the newest version of `path` that every process can read (the live one, else
+        an older one kept by `keep`; see the module docstring), or return None when there is
+        none yet. Logged on the "hybridpipe" logger; a version skipped as damaged is logged
+        as a warning. ValueError (the newest version's) when none loads."""
         started = time.perf_counter()
         if not (self.path / "current").is_file():
             return None
-        version, meta = read_checkpoint(self.path)
-        extra = self.pipe.load_checkpoint(self.path, self.optimizer)
+        first: ValueError | None = None
+        for name in reversed(versions(self.path)):
+            try:
+                extra = self.pipe.load_checkpoint(self.path, self.optimizer, version=name)
+                failed = None
+            except ValueError as err:  # all or nothing: this process is as it was
+                failed, first = err, first or err
+            if self._everywhere(failed is None):
+                return self._resumed(name, extra, started)
+            log.warning("hybridpipe: checkpoint version %s of %s not loaded (%s); trying an "
+                        "older one", name, self.path, failed or "on another process")
+        raise first or ValueError(
+            f"no version of checkpoint {str(self.path)!r} loaded on every process"
+        )
+
+    def _everywhere(self, ok: bool) -> bool:
+        """Whether `ok` holds on every process (under torch.distributed; an all-reduce)."""
+        if self.pipe.distributed is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _resumed(self, name: str, extra: Any, started: float) -> Resumed:
+        version, meta = read_checkpoint(self.path, name)
         if not isinstance(extra, dict) or _TAG not in extra:
             raise ValueError(
                 f"checkpoint {str(self.path)!r} was not written by a Checkpointer (its extra "

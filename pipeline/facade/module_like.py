@@ -132,14 +132,16 @@ class ModuleLike:
         self._state.wait_checkpoint(timeout)
 
     def load_checkpoint(
-        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+        *, version: str | None = None,
     ) -> Any:
         """Load a checkpoint from `save_checkpoint` (any layout) into this process's stages
         and `optimizer` (build it first, with ``pipe.optimizer(...)``, or over
         ``pipe.parameters()`` without shard=; any shard mode loads any other's); returns the
         saved extra. All or nothing: a checkpoint of another model or optimizer (type, param
-        groups) is a ValueError that changes nothing."""
-        return self._state.load_checkpoint(path, optimizer)
+        groups) is a ValueError that changes nothing. `version`: a retained older version
+        (e.g. "v-000003", kept by ``save_checkpoint(keep=...)``) instead of the live one."""
+        return self._state.load_checkpoint(path, optimizer, version)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none)

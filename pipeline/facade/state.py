@@ -95,11 +95,13 @@ class ModelState:
             self.writer.wait(timeout)
 
     def load_checkpoint(
-        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
+        version: str | None = None,
     ) -> Any:
         self.wait_checkpoint(None)
         extra = checkpoint.load_checkpoint(
             path, self.held(), self.spec, optimizer=optimizer, model=self.module,
+            version_name=version,
         )
         self._fill()
         if isinstance(extra, dict) and SCALER_KEY in extra:
