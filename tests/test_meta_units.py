@@ -208,6 +208,10 @@ def test_in_place_grad_accumulation_keeps_one_copy() -> None:
         assert torch.allclose(p.grad, q.grad, atol=1e-12), name
     with pytest.raises(ValueError, match="grad_accumulation="):
         Pipeline(model, stages=2, grad_accumulation="lazy")
+    with pytest.raises(ValueError, match="init_fn='reset_parameters' initialises a model built"):
+        Pipeline(model, stages=2, init_fn="reset_parameters")
+    with pytest.raises(ValueError, match="init_fn=3"):
+        Pipeline(model, stages=2, init_fn=3)  # type: ignore[arg-type]
 
 
 def test_profiling_copy_is_made_on_the_target_device() -> None:

@@ -39,6 +39,12 @@ class ModelState:
         self.built_on_meta = on_meta(module)
         if init_fn is not None:
             resolve_init(module, init_fn)  # a bad init_fn fails now, not at the first batch
+            if not self.built_on_meta:
+                raise ValueError(
+                    f"init_fn={init_fn!r} initialises a model built on the meta device, but "
+                    f"this {type(module).__name__} has real tensors; initialise it before "
+                    "building the Pipeline, or build it under torch.device('meta')"
+                )
         self.init_fn = init_fn
 
     def initialise(self) -> None:
