@@ -3,8 +3,10 @@ an asynchronous save writes the state as it was when the call returned (the opti
 meanwhile) and its failure (a full disk) comes back at the wait, with the previous version
 live and nothing left behind, so the next save that fits succeeds (also after a synchronous
 full-disk failure); a damaged or truncated data file, or a damaged DCP index, is a ValueError
-naming the file that changes nothing; `Checkpointer` resumes at another stage count with the
-losses, optimizer and RNG state of the uninterrupted run (float64, 1e-9)."""
+naming the file that changes nothing; a wait for a slow save is bounded and can be repeated;
+`Checkpointer` resumes at another stage count with the losses, optimizer and RNG state of the
+uninterrupted run (float64, 1e-9), and falls back to an older retained version when the live
+one is damaged; stages="auto" outside torchrun is refused."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_checkpoint import _FullDiskStream
 from torch.nn import functional as F
 
 from pipeline import Checkpointer, Pipeline
@@ -57,23 +60,6 @@ def listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-class _FullDisk:
-    """DCP's file streams on a disk that fills up after `room` bytes."""
-
-    def __init__(self, stream: Any, room: int) -> None:
-        self.stream, self.room = stream, room
-
-    def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        if n > self.room:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.room -= n
-        return int(self.stream.write(data))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
-
-
 @contextmanager
 def full_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from torch.distributed.checkpoint import filesystem
@@ -83,7 +69,7 @@ def full_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     @contextmanager
     def filling(self: Any, path: Any, mode: str) -> Any:
         with real(self, path, mode) as stream:
-            yield _FullDisk(stream, 1000) if "w" in mode else stream
+            yield _FullDiskStream(stream, 1000) if "w" in mode else stream
 
     monkeypatch.setattr(filesystem.FileSystem, "create_stream", filling)
     yield
@@ -128,7 +114,7 @@ def test_async_save_writes_the_state_of_the_call(tmp_path: Path) -> None:
     assert fresh.load_checkpoint(tmp_path / "ckpt", fresh_opt) == "c"
 
 
-class _SlowDisk(_FullDisk):
+class _SlowDisk(_FullDiskStream):
     """DCP's file streams on a disk whose first write to a file takes `room` seconds."""
 
     def write(self, data: Any) -> int:
