@@ -39,7 +39,13 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
+def _log(path: str, record: dict[str, object]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def main() -> None:
+    started = time.time()  # the process's start (after its imports), for --losses
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="2", help="pipeline stages, or 'auto' (default 2)")
     parser.add_argument("--schedule", default="1f1b", help="schedule name (default 1f1b)")
@@ -58,7 +64,8 @@ def main() -> None:
     parser.add_argument("--async-save", action="store_true", help="save in the background")
     parser.add_argument("--memory-limit", type=float, default=None, help="bytes per process "
                         "(for --stages auto)")
-    parser.add_argument("--losses", default=None, help="rank 0 appends a JSON line per step")
+    parser.add_argument("--losses", default=None, help="rank 0 appends a JSON line per step "
+                        "(and one at the start)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after "
                         "each step (to watch a run)")
     args = parser.parse_args()
@@ -94,6 +101,9 @@ def main() -> None:
         print(f"world {layout.world_size} = data_parallel {layout.data_parallel} x stages "
               f"{layout.stages}; schedule {pipe.schedule.name}, {pipe.microbatches} "
               f"microbatches per replica; {resumed or 'starting afresh'}", flush=True)
+        if args.losses:
+            _log(args.losses, {"event": "start", "time": time.time(), "started": started,
+                               "resumed": None if resumed is None else resumed.step})
     times = []
     for step in range(start, args.steps):
         x, y = data.at(step)
@@ -106,10 +116,8 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         if layout.rank == 0:
             if args.losses:
-                with open(args.losses, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": loss.item(), "time": time.time(),
-                                        "stages": layout.stages,
-                                        "data_parallel": layout.data_parallel}) + "\n")
+                _log(args.losses, {"step": step, "loss": loss.item(), "time": time.time(),
+                                   "stages": layout.stages, "data_parallel": layout.data_parallel})
             if step % 5 == 0 or step == args.steps - 1:
                 print(f"step {step:4d}  loss {loss.item():.4f}  step time "
                       f"{1e3 * times[-1]:.1f} ms", flush=True)

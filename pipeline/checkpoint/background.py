@@ -10,7 +10,9 @@ collectives on the default group."""
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -26,6 +28,17 @@ from torch.distributed.checkpoint import FileSystemWriter
 from pipeline.checkpoint.files import _single_process_quiet, as_disk_full
 from pipeline.execution.distributed import DistContext
 
+_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Drop the writers' process groups while the interpreter is whole (atexit runs after the
+    non-daemon threads, a write in flight included, have ended): a gloo group left for the
+    interpreter's teardown could end the process in std::terminate."""
+    for writer in list(_WRITERS):
+        writer._group = None
+
 
 class AsyncWriter:
     """Runs one process's asynchronous saves (`start`) and waits for them (`wait`)."""
@@ -34,6 +47,7 @@ class AsyncWriter:
         self._ctx = ctx
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
+        _WRITERS.add(self)
         self._done: threading.Event | None = None  # set when the save in flight has ended
         self._error: BaseException | None = None
         self._where: tuple[Path, int] = (Path(), 0)
