@@ -72,6 +72,7 @@ def worker_auto(out: Path) -> None:
                          ({"example_input": x0, "schedule": "nope.txt"}, "needs a schedule")):
         with pytest.raises(ValueError, match=text):
             Pipeline(make_model(), stages="auto", loss_fn=lm_loss, **kwargs)  # type: ignore[arg-type]
+    torch.distributed.destroy_process_group()
     print("worker auto: every check ran")
 
 

@@ -89,6 +89,7 @@ def _worker_init(out: Path) -> None:
         else:
             results[name] = {"own": own, "total": total}
     (out / f"init{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
     print("worker init: every check ran", flush=True)
 
 
@@ -121,6 +122,7 @@ def _worker_load(out: Path) -> None:
     pipe.load_state_dict(torch.load(out / "weights.pt", mmap=True, weights_only=True))
     loss = float(pipe.step({"input_ids": x}, y))
     (out / f"load{dist.get_rank()}.json").write_text(json.dumps({"loss": loss}))
+    dist.destroy_process_group()
     print("worker load: every check ran", flush=True)
 
 
