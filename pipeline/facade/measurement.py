@@ -111,54 +111,58 @@ class Measurement:
             return predict(target, costs_of(None), latency=comm or 0.0)
         return predict_calibrated(target, calibration, costs_of, latency=comm)
 
-    def rebalance(self, threshold: float = 0.05) -> Rebalance:
+    def _measured_in_one_process(self, what: str, why: str) -> Calibration:
+        """The calibration `what` (a re-plan from measured costs) starts from; it needs
+        measured steps and every stage in this process (`why` says what stops it otherwise)."""
         calibration = self.calibration
         if calibration is None:
-            raise ValueError("rebalance needs measured steps: run at least two steps first")
+            raise ValueError(f"{what} needs measured steps: run at least two steps first")
+        if not self.setup.executor.coordination.keeps_whole_model:
+            raise ValueError(f"{what} works in one process: under torch.distributed {why}")
+        return calibration
+
+    def _adopt(self, new: Planned) -> None:
+        """Run `new` from the next step on; the old traces describe the old plan."""
+        self.setup.load(new)
+        self.setup.planned = new
+        self.measured.clear()
+
+    def rebalance(self, threshold: float = 0.05) -> Rebalance:
+        calibration = self._measured_in_one_process(
+            "rebalance",
+            "each process holds only its stages' weights; pass balance=[...] with the sizes "
+            "it reports instead",
+        )
         setup = self.setup
-        if not setup.executor.coordination.keeps_whole_model:
-            raise ValueError(
-                "rebalance works in one process: under torch.distributed each process holds "
-                "only its stages' weights; pass balance=[...] with the sizes it reports instead"
-            )
         planned = setup.made
         report, plan = propose_rebalance(
             planned.graph, planned.plan, planned.schedule, calibration, self.profiled_costs(),
             threshold,
         )
         if report.applied:
-            new = Planned(
+            self._adopt(Planned(
                 planned.model, planned.schedule, plan, planned.graph, planned.example,
                 split_model(planned.graph, plan), None,
-            )
-            setup.load(new)
-            setup.planned = new
-            self.measured.clear()  # the old traces describe the old stages
+            ))
         self.rebalanced = report
         log.info("hybridpipe: %s", report)
         return report
 
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
-        calibration = self.calibration
-        if calibration is None:
-            raise ValueError("resynthesize needs measured steps: run at least two steps first")
+        calibration = self._measured_in_one_process(
+            "resynthesize",
+            "every process would have to switch at the same step; pass the schedule it reports "
+            "instead",
+        )
         setup = self.setup
-        if not setup.executor.coordination.keeps_whole_model:
-            raise ValueError(
-                "resynthesize works in one process: under torch.distributed every process "
-                "would have to switch at the same step; pass the schedule it reports instead"
-            )
         planned, profiled = setup.made, self.profiled_costs()
         limits = running_limits(planned.schedule, profiled, setup.planner.memory_limit)
         report, schedule = propose_schedule(
             planned.schedule, calibration, profiled, limits, threshold
         )
         if report.applied:
-            new = dataclasses.replace(planned, schedule=schedule)
             setup.planner.schedule = schedule
-            setup.load(new)
-            setup.planned = new
-            self.measured.clear()  # the old traces describe the old schedule
+            self._adopt(dataclasses.replace(planned, schedule=schedule))
         self.resynthesized = report
         log.info("hybridpipe: %s", report)
         return report

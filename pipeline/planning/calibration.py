@@ -232,6 +232,11 @@ def measured_node_costs(graph: nx.DiGraph, plan: Plan, measured: StageCosts) -> 
     return scaled
 
 
+def gain(before: float, after: float) -> float:
+    """The share of the predicted step a re-plan saves: 1 - after/before (0 with no step)."""
+    return 1.0 - after / before if before else 0.0
+
+
 @dataclass(frozen=True)
 class Rebalance:
     """A re-partition proposed from measured costs: stage sizes (nodes per stage) before and
@@ -247,7 +252,7 @@ class Rebalance:
 
     @property
     def gain(self) -> float:
-        return 1.0 - self.predicted_after / self.predicted_before if self.predicted_before else 0.0
+        return gain(self.predicted_before, self.predicted_after)
 
     def __str__(self) -> str:
         verdict = "applied" if self.applied else f"kept the plan (gain <= {self.threshold:.0%})"

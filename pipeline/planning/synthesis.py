@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.planning.calibration import Calibration, calibrated_costs
+from pipeline.planning.calibration import Calibration, calibrated_costs, gain
 from pipeline.planning.costs import StageCosts, predict
 from scheduler import Schedule, synthesize
 from scheduler.simulate import peak_held
@@ -93,7 +93,7 @@ class Resynthesis:
 
     @property
     def gain(self) -> float:
-        return 1.0 - self.predicted_after / self.predicted_before if self.predicted_before else 0.0
+        return gain(self.predicted_before, self.predicted_after)
 
     def __str__(self) -> str:
         verdict = "switched to it" if self.applied else f"kept {self.before} (gain <= " \
