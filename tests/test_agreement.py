@@ -137,7 +137,8 @@ def worker_call(out: Path) -> None:
     rank = dist.get_rank()
     pipe = _pipeline()
     x, y = global_batch(1, BATCH)
-    _record(out, "inject")
+    if rank == 0:  # one writer: both writing inject.json at once could interleave the text
+        _record(out, "inject")
     _step_and_record(out, rank, lambda: pipe.step(x, y) if rank == 0 else pipe(x))
 
 
