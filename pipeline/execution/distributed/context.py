@@ -6,6 +6,8 @@ the torchrun environment if needed), the (dp, pp) DeviceMesh and its groups, thi
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -20,6 +22,15 @@ from pipeline.execution.distributed.agreement import Agreement, portable
 from pipeline.execution.distributed.failure import Failures
 from pipeline.execution.distributed.topology import DIMS, make_layout
 from pipeline.execution.timeouts import resolve_timeout
+
+
+@atexit.register
+def _collect_while_whole() -> None:
+    """Free unreachable Pipelines (executor, transport and groups hold each other in cycles)
+    while the interpreter is whole: a gloo process group left for the interpreter's teardown
+    could end a process that had finished its work in std::terminate (exit -6, which torchrun
+    counts as a failed worker); seen 1 run in 6 of the meta-init test, 0 in 24 with this."""
+    gc.collect()
 
 
 class DistContext:
