@@ -232,3 +232,21 @@ SPECS: dict[str, Spec] = {
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return SPECS[name].build().double()
+
+
+def check_step(pipe: Any, model: nn.Module, ref: nn.Module, x: Any, y: Any,
+               atol: float = 1e-9) -> None:
+    """One `pipe.step(x, y)` against the unsplit `ref` (same weights): the loss and every
+    parameter's gradient, to `atol`."""
+    loss_fn = pipe.loss_fn
+    assert loss_fn is not None
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    expected = loss_fn(ref(**x) if isinstance(x, dict) else ref(x), y)
+    expected.backward()
+    loss = pipe.step(x, y)
+    torch.testing.assert_close(loss, expected.detach(), atol=atol, rtol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=atol, rtol=0, msg=name)

@@ -9,7 +9,6 @@ back through pipe(x)."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import networkx as nx
 import pytest
@@ -19,7 +18,7 @@ from torch import nn
 from partitioner import capture, partition, profile
 from pipeline import Pipeline
 from pipeline.planning.microbatch import merge_microbatches
-from tests.real_models import SPECS, VOCAB, build, lm_loss
+from tests.real_models import SPECS, VOCAB, build, check_step, lm_loss
 from tests.real_models import albert as real_albert
 
 ATOL = 1e-9
@@ -62,20 +61,6 @@ def _predictable_costs(graph: nx.DiGraph, heavy: str) -> None:
         node = graph.nodes[v]
         cost = 1.0 if (node["module"] or "").split("@")[0] == heavy else 0.05
         node.update(forward_time=cost / 3, backward_time=2 * cost / 3)
-
-
-def _check_step(pipe: Pipeline, model: nn.Module, ref: nn.Module, x: Any, y: Any) -> None:
-    assert pipe.loss_fn is not None
-    model.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    expected = pipe.loss_fn(ref(**x) if isinstance(x, dict) else ref(x), y)
-    expected.backward()
-    loss = pipe.step(x, y)
-    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=0)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=ATOL, rtol=0, msg=name)
 
 
 def _stages_reading(pipe: Pipeline, param: nn.Parameter) -> list[int]:
@@ -125,9 +110,9 @@ def test_shared_layer_on_several_stages_is_exact(name: str, schedule: str) -> No
     # calls over the stages.
     pipe = Pipeline(model, 4, schedule=schedule, microbatches=4, loss_fn=loss_fn,
                     balance="parameters")
-    _check_step(pipe, model, ref, x, y)
+    check_step(pipe, model, ref, x, y)
     assert len(_stages_reading(pipe, shared)) >= 3, pipe.plan
-    _check_step(pipe, model, ref, x, y)  # and again: the copies stay one parameter
+    check_step(pipe, model, ref, x, y)  # and again: the copies stay one parameter
 
 
 # -- identical blocks profiled once -----------------------------------------------------------
@@ -164,17 +149,17 @@ def test_only_the_batch_dim_is_dynamic_and_a_new_sequence_length_recaptures() ->
     spec = SPECS["gpt2"]
     pipe = Pipeline(model, 2, microbatches=2, loss_fn=spec.loss_fn, balance="parameters")
     x, y = spec.batch(4, 8)
-    _check_step(pipe, model, ref, x, y)
+    check_step(pipe, model, ref, x, y)
     assert pipe.plan.dynamic_dims == ["input_ids[0]", "attention_mask[0]"]
     assert "dynamic dims: input_ids[0], attention_mask[0]" in str(pipe.plan)
     blocks = [[v for v in stage if v.startswith("transformer_h")] for stage in pipe.plan.stages]
     x2, y2 = spec.batch(7, 5)  # another batch size and sequence length
-    _check_step(pipe, model, ref, x2, y2)
+    check_step(pipe, model, ref, x2, y2)
     assert sorted(pipe.plan.dynamic_dims or []) == [
         "attention_mask[0]", "attention_mask[1]", "input_ids[0]", "input_ids[1]"]
     # The blocks are the same units (the size arithmetic around them differs).
     assert [[v for v in s if v.startswith("transformer_h")] for s in pipe.plan.stages] == blocks
-    _check_step(pipe, model, ref, *spec.batch(3, 8))  # the first shape still runs
+    check_step(pipe, model, ref, *spec.batch(3, 8))  # the first shape still runs
 
 
 def test_named_dynamic_dims_are_dynamic_from_the_start() -> None:

@@ -19,6 +19,8 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,13 +369,28 @@ class _FullDiskStream:
         return getattr(self.stream, name)
 
 
+@contextmanager
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Within the block, DCP's files fill the disk after 1,000 bytes (ENOSPC)."""
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem.FileSystem.create_stream
+
+    @contextmanager
+    def filling(self: Any, path: Any, mode: str) -> Any:
+        with real(self, path, mode) as stream:
+            yield _FullDiskStream(stream, 1000) if "w" in mode else stream
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", filling)
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+
+
 def test_full_disk_is_named_and_keeps_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from contextlib import contextmanager
-
-    from torch.distributed.checkpoint import filesystem
-
     import pipeline.checkpoint.saveload as ckpt
 
     pipe = make_pipe(make_model())
@@ -383,18 +400,9 @@ def test_full_disk_is_named_and_keeps_the_previous_checkpoint(
                r"[\d.]+ MiB and [\d.]+ MiB are free. Free space or save elsewhere; the previous "
                r"checkpoint is untouched")
     # 1. A disk that fills up during the write (the OS's ENOSPC inside DCP's writer).
-    real = filesystem.FileSystem.create_stream
-
-    @contextmanager
-    def filling(self: Any, path: Any, mode: str) -> Any:
-        with real(self, path, mode) as stream:
-            yield _FullDiskStream(stream, 1000) if "w" in mode else stream
-
-    monkeypatch.setattr(filesystem.FileSystem, "create_stream", filling)
-    with pytest.raises(OSError, match=pattern) as info:
+    with full_disk(monkeypatch), pytest.raises(OSError, match=pattern) as info:
         pipe.save_checkpoint(tmp_path / "ckpt", optimizer=opt, extra="v2")
     assert info.value.errno == errno.ENOSPC
-    monkeypatch.undo()
     # 2. A disk already too full: refused before writing anything.
     monkeypatch.setattr(ckpt.shutil, "disk_usage",
                         lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 10, 10))

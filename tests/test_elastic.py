@@ -15,14 +15,13 @@ import logging
 import random
 import re
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_checkpoint import _FullDiskStream
+from test_checkpoint import _FullDiskStream, full_disk
 from torch.nn import functional as F
 
 from pipeline import Checkpointer, Pipeline
@@ -58,22 +57,6 @@ def params(pipe: Pipeline) -> dict[str, torch.Tensor]:
 
 def listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
-
-
-@contextmanager
-def full_disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from torch.distributed.checkpoint import filesystem
-
-    real = filesystem.FileSystem.create_stream
-
-    @contextmanager
-    def filling(self: Any, path: Any, mode: str) -> Any:
-        with real(self, path, mode) as stream:
-            yield _FullDiskStream(stream, 1000) if "w" in mode else stream
-
-    monkeypatch.setattr(filesystem.FileSystem, "create_stream", filling)
-    yield
-    monkeypatch.undo()
 
 
 FULL = r"no space left on the device of checkpoint '.*ckpt'"

@@ -16,7 +16,7 @@ import torch
 
 from partitioner import capture
 from pipeline import Pipeline
-from tests.real_models import SPECS, build, class_loss, resnet
+from tests.real_models import SPECS, build, check_step, class_loss, resnet
 
 ATOL = 1e-9
 
@@ -29,22 +29,6 @@ def _logits(out: Any) -> torch.Tensor:
     return out["logits"] if isinstance(out, dict) else out
 
 
-def _check_step(pipe: Pipeline, model: torch.nn.Module, ref: torch.nn.Module, x: Any, y: Any
-                ) -> None:
-    spec_loss = pipe.loss_fn
-    assert spec_loss is not None
-    model.zero_grad(set_to_none=True)
-    ref.zero_grad(set_to_none=True)
-    expected = spec_loss(_call(ref, x), y)
-    expected.backward()
-    loss = pipe.step(x, y)
-    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=0)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=ATOL, rtol=0, msg=name)
-
-
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_real_model_transparency(name: str, stages: int) -> None:
@@ -54,7 +38,7 @@ def test_real_model_transparency(name: str, stages: int) -> None:
     torch.manual_seed(1)
     x, y = spec.batch(5, 8)  # 5 rows in 4 microbatches: uneven splits
     pipe = Pipeline(model, stages, microbatches=4, loss_fn=spec.loss_fn, balance="parameters")
-    _check_step(pipe, model, ref, x, y)
+    check_step(pipe, model, ref, x, y)
     assert pipe.graph.graph["front"] == "export"
     # Stages hold the user's Parameter objects themselves.
     own = {id(p) for p in model.parameters()}
@@ -62,7 +46,7 @@ def test_real_model_transparency(name: str, stages: int) -> None:
     assert len(pipe.plan.stages) == stages
     # A later batch with another batch size and sequence length runs on the same stages.
     x2, y2 = spec.batch(6, 6) if name not in ("vit", "convnext", "swin") else spec.batch(7, 0)
-    _check_step(pipe, model, ref, x2, y2)
+    check_step(pipe, model, ref, x2, y2)
     with torch.no_grad():
         out = pipe(x2)
         expected = _call(ref, x2)
@@ -84,7 +68,7 @@ def test_real_model_split_backward(name: str, schedule: str) -> None:
     x, y = spec.batch(6, 8)
     pipe = Pipeline(model, 2 if schedule == "zbv" else 4, schedule=schedule, microbatches=4,
                     loss_fn=spec.loss_fn, balance="parameters")
-    _check_step(pipe, model, ref, x, y)
+    check_step(pipe, model, ref, x, y)
 
 
 def test_capture_turns_off_every_cache_and_restores_it() -> None:
