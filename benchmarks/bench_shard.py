@@ -42,7 +42,8 @@ def worker() -> None:
 
     from pipeline import Pipeline
     from pipeline.app.models import GPT
-    from pipeline.execution.optimizers import local, state_bytes
+    from pipeline.execution.distributed.dtensors import local
+    from pipeline.execution.distributed.optimizers import state_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

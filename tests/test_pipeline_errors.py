@@ -338,6 +338,21 @@ def test_step_without_loss_fn() -> None:
         pipe.step(torch.randn(4, 4), torch.randn(4, 2))
 
 
+def test_optimizer_class_not_an_optimizer_class() -> None:
+    pipe = Pipeline(_mlp(), 2, microbatches=2, balance="uniform")
+    with pytest.raises(
+        TypeError,
+        match=exact(
+            "optimizer_class must be a torch.optim.Optimizer subclass, got <class 'str'>; pass "
+            "the class itself, e.g. pipe.optimizer(torch.optim.AdamW, lr=1e-3)"
+        ),
+    ):
+        pipe.optimizer(str)  # type: ignore[arg-type]
+    made = pipe.optimizer(torch.optim.SGD, lr=0.1)
+    assert type(made) is torch.optim.SGD
+    assert [p for g in made.param_groups for p in g["params"]] == list(pipe.parameters())
+
+
 def test_targets_batch_size_differs() -> None:
     pipe = Pipeline(_mlp(), 2, microbatches=2, loss_fn=F.mse_loss, balance="uniform")
     with pytest.raises(
@@ -488,6 +503,9 @@ def test_plan_and_schedule_before_first_batch_explain() -> None:
         ),
     ):
         _ = pipe.plan
+    for name in ("graph", "stage_modules", "autoplan"):
+        with pytest.raises(RuntimeError, match="^the plan is made from the first batch"):
+            getattr(pipe, name)
 
 
 def test_balance_list_not_matching_node_count() -> None:

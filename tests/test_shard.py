@@ -122,7 +122,7 @@ class Run:
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        from pipeline.execution.optimizers import local_optimizer
+        from pipeline.execution.distributed.optimizers import local_optimizer
 
         params = dict(self.pipe.named_parameters())
         if self.pipe.shard == "optimizer":

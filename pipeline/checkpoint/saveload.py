@@ -60,7 +60,7 @@ from pipeline.checkpoint.state import (
     local_state,
 )
 from pipeline.execution.distributed import DistContext, agree
-from pipeline.execution.optimizers import hyperparameters_loaded, local_optimizer
+from pipeline.execution.distributed.optimizers import hyperparameters_loaded, local_optimizer
 
 FORMAT = "hybridpipe-checkpoint"
 VERSION = 2

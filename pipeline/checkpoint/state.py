@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed import DistContext
-from pipeline.execution.distributed.shard import laid_out_as
+from pipeline.execution.distributed.dtensors import laid_out_as
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 

@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 from partitioner import StageModule
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
-from pipeline.execution.optimizers import build_optimizer
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.planning.microbatch import (
@@ -151,7 +150,8 @@ class Executor(ABC):
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer of this process's `params` (here a plain one)."""
-        return build_optimizer(None, params, optimizer_class, None, **kwargs)
+        check_optimizer_class(optimizer_class)
+        return optimizer_class(list(params), **kwargs)
 
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
@@ -252,6 +252,16 @@ def _rows(output: Any) -> int:
     return next(
         (int(t.shape[0]) for t in tree_leaves(output) if isinstance(t, Tensor) and t.dim()), 0
     )
+
+
+def check_optimizer_class(optimizer_class: object) -> None:
+    """A TypeError unless `optimizer_class` is a torch.optim.Optimizer subclass."""
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}; "
+            "pass the class itself, e.g. pipe.optimizer(torch.optim.AdamW, lr=1e-3)"
+        )
 
 
 def place(module: nn.Module, device: torch.device) -> None:

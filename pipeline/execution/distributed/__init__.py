@@ -7,8 +7,10 @@ before any tensor moves, setup failures named; `SettingsMismatch`), `context` (p
 and the point-to-point `Transport`), `gradsync` (replica gradient averaging), `ties`
 (parameters tied across pipeline ranks), `step_agreement` (each step's batch-shape key and call,
 agreed within a pipeline), `step_end` (the loss on every rank, the trace on global rank 0),
-`shard` (ZeRO-1 / FSDP2 sharding of the replicas' state, ``Pipeline(shard=...)``) and
-`executor` (`DistributedExecutor`, which runs the shared `RankRuntime`).
+`shard` (ZeRO-1 / FSDP2 sharding of the replicas' state, ``Pipeline(shard=...)``),
+`optimizers` (the optimizer each shard mode needs, and the check of one built otherwise),
+`dtensors` (DTensor helpers; a leaf) and `executor` (`DistributedExecutor`, which runs the
+shared `RankRuntime`).
 
 Naming: a *rank* is a process; its *pipeline rank* is its "pp" coordinate (which stages it
 holds), its *replica* its "dp" coordinate. A *stage* is one contiguous piece of the model;

@@ -33,6 +33,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
 from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.dtensors import local
 from pipeline.execution.distributed.gradsync import (
     BufferSync,
     GradSync,
@@ -47,7 +48,6 @@ from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor, meta_message, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
-from pipeline.execution.optimizers import local
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.planner import Coordination, Planned

@@ -5,7 +5,7 @@ shard=...)``), with torch's own parts; `Sharding` is what the distributed execut
   sharding (`GradSync`); the optimizer is torch's `ZeroRedundancyOptimizer` over this process's
   parameters and its "dp" group, so each replica keeps and updates the state of about 1/dp of
   the parameters (whole parameters, balanced by size) and broadcasts them to the other
-  replicas after its update (pipeline.execution.optimizers).
+  replicas after its update (`optimizers`).
 - ``shard="full"`` (FSDP2): `FullShard` applies ``fully_shard`` to this rank's stages, as one
   unit, over the "dp" sub-mesh; parameters, gradients and the optimizer state are DTensors
   sharded along dim 0. The unit is never called: the executor gathers the parameters before
@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.optimizers import OptimizerCheck, build_optimizer
+from pipeline.execution.distributed.ties import TieSync
 from pipeline.execution.grads import parameter_slots
-from pipeline.execution.optimizers import OptimizerCheck, build_optimizer
-
-if TYPE_CHECKING:
-    from pipeline.execution.distributed.ties import TieSync
 
 SHARD_MODES = (None, "optimizer", "full")
 
@@ -50,15 +48,6 @@ def check_shard(shard: object) -> str | None:
             "(FSDP2: parameters, gradients and optimizer state sharded)"
         )
     return shard
-
-
-def laid_out_as(target: Tensor, value: Tensor) -> Tensor:
-    """`value` (a whole tensor) as `target` is laid out: for a DTensor target, this process's
-    shard of it (cut locally: every process holds the whole value); otherwise `value`."""
-    if isinstance(target, DTensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
-                                 src_data_rank=None)
-    return value
 
 
 class _RankStages(nn.Module):
@@ -147,6 +136,11 @@ class Sharding:
 
     def held(self) -> dict[int, nn.Module]:
         return self.stages
+
+    def replaced(self, p: Tensor) -> bool:
+        """Whether `p` is a parameter that "full" replaced by a sharded one (and an optimizer
+        built before the plan still holds)."""
+        return self.full is not None and self.full.stale.get(id(p)) is p
 
     def averaged(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters GradSync averages: all, but none under "full" (FSDP2 reduces)."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.execution.distributed.context import DistContext
-from pipeline.execution.optimizers import local
+from pipeline.execution.distributed.dtensors import local
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Optimizers for each shard mode (the optimizer side of pipeline.execution.distributed.shard):
+"""Optimizers for each shard mode (the optimizer side of `shard`):
 `build_optimizer` makes the optimizer a shard mode needs (``Pipeline.optimizer``: plain, or
 torch's `ZeroRedundancyOptimizer` over the "dp" group for ZeRO-1), `local_optimizer` the one
 whose state this process holds (ZeRO's inner one: what checkpoints save and load), and
@@ -10,22 +10,16 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-if TYPE_CHECKING:  # execution.distributed imports this module
-    from pipeline.execution.distributed.context import DistContext
-    from pipeline.execution.distributed.shard import FullShard
-
-
-def local(t: Tensor) -> Tensor:
-    """This process's part of `t` (a DTensor's local shard; `t` itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.dtensors import local
+from pipeline.execution.executor import check_optimizer_class
 
 
 def build_optimizer(
@@ -38,12 +32,7 @@ def build_optimizer(
     """The optimizer for `shard`: ``optimizer_class(params, **kwargs)`` (None, "full": the
     state follows the DTensor parameters' sharding), or a `ZeroRedundancyOptimizer` of it over
     the "dp" group ("optimizer")."""
-    if not (isinstance(optimizer_class, type)
-            and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}; "
-            "pass the class itself, e.g. pipe.optimizer(torch.optim.AdamW, lr=1e-3)"
-        )
+    check_optimizer_class(optimizer_class)
     params = list(params)
     if shard != "optimizer" or ctx is None:
         return optimizer_class(params, **kwargs)
@@ -81,11 +70,12 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class Sharded(Protocol):
-    """What `OptimizerCheck` reads of the `Sharding`: the held stages and its `FullShard`."""
-
-    full: FullShard | None
+    """What `OptimizerCheck` reads of the `Sharding`: the held stages, and whether a parameter
+    is one that shard="full" replaced by a sharded one."""
 
     def held(self) -> Mapping[int, nn.Module]: ...
+
+    def replaced(self, p: Tensor) -> bool: ...
 
 
 class OptimizerCheck:
@@ -122,8 +112,7 @@ class OptimizerCheck:
         kind = type(local_optimizer(optimizer)).__name__
         fix = (f"build it with pipe.optimizer({kind}, ...) once the plan is "
                "made (pass example_input=... to Pipeline, or call it after the first step)")
-        full = sharding.full
-        if full is not None and any(full.stale.get(id(p)) is p for p in params):
+        if any(sharding.replaced(p) for p in params):
             raise ValueError(
                 f"this {type(optimizer).__name__} holds parameters that shard='full' replaced by "
                 "sharded DTensors, so its steps would not change the model the pipeline runs; "
