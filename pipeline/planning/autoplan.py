@@ -26,9 +26,10 @@ found, a schedule searched for those very costs under the memory left beside the
 
 from __future__ import annotations
 
+import enum
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -174,6 +175,83 @@ def _variants(name: str, virtual_stages: Sequence[int] | None) -> list[int]:
     return [1] if virtual_stages is None or 1 in virtual_stages else []
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """How `search` prices a candidate: bytes per parameter byte held (weights, grads and
+    optimizer state), seconds per cross-rank transfer and per action, the data-parallel
+    all-reduce bandwidth (None: free) and the per-device memory cap (None: none)."""
+
+    optimizer_factor: float = OPTIMIZER_FACTOR
+    latency: float = 0.0
+    overhead: float = 0.0
+    dp_bandwidth: float | None = None
+    memory_limit: float | None = None
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One configuration to price: its schedule, the costs of its stages profiled on one
+    microbatch of `profiled_batch` samples, `factor` = its microbatch over that one, and its
+    data-parallel replicas."""
+
+    schedule: Schedule
+    base: StageCosts
+    factor: float
+    dp: int
+
+
+class Rejection(enum.Enum):
+    """Why a trial was not simulated."""
+
+    PARAMETERS = "its parameters alone exceed the memory limit"
+    ACTIVATIONS = "its peak held activations exceed the memory limit"
+    BOUND = "its lower bound cannot beat the kept candidates"
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The trials of one (pipeline ranks, schedule, chunks), differing in microbatches."""
+
+    pp: int
+    dp: int
+    per_replica: int
+    schedule: str
+    virtual_stages: int
+    base: StageCosts
+
+
+class _Ranking:
+    """The `keep` fastest candidates found so far (a max-heap on step time) and the counts
+    `AutoPlan` reports."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.heap: list[tuple[float, int, Candidate]] = []
+        self.simulated = self.over_memory = self.pruned = 0
+        self.notes: list[str] = []
+
+    def bound(self) -> float | None:
+        """The step time a trial must beat to be kept (None while fewer than `keep`)."""
+        return -self.heap[0][0] if len(self.heap) >= self.keep else None
+
+    def offer(self, candidate: Candidate) -> None:
+        self.simulated += 1
+        entry = (-candidate.step_time, self.simulated, candidate)
+        if len(self.heap) < self.keep:
+            heapq.heappush(self.heap, entry)
+        elif candidate.step_time < -self.heap[0][0]:
+            heapq.heapreplace(self.heap, entry)
+
+    def configs(self) -> list[tuple[int, int, int]]:
+        """The kept (pp, m, v), fastest first, once each."""
+        kept = sorted(self.heap, key=lambda e: (-e[0], e[1]))
+        return list(dict.fromkeys((c.pp, c.microbatches, c.virtual_stages) for _, _, c in kept))
+
+    def ranked(self) -> list[Candidate]:
+        return sorted((c for _, _, c in self.heap),
+                      key=lambda c: (c.step_time, c.max_memory, c.pp, c.schedule))
+
+
 def search(
     graph: nx.DiGraph,
     *,
@@ -201,6 +279,31 @@ def search(
     `keep` best candidates are returned; a schedule is synthesised for the
     `synthesized_configs` best (pp, m, v). See the module docstring for the model."""
     started = time.perf_counter()
+    names = _checked_names(world_size, batch_size, profiled_batch, memory_limit, schedules)
+    nodes = len(graph.graph["order"])
+    pps = _pipeline_depths(pp, world_size, nodes)
+    pricing = Pricing(optimizer_factor, latency, overhead, dp_bandwidth, memory_limit)
+    ranking = _Ranking(keep)
+    costs = _StageCostsCache(graph, ranking.notes)
+    for group in _groups(pps, names, virtual_stages, world_size, batch_size, nodes, costs,
+                         ranking.notes):
+        counts = (microbatches if microbatches is not None
+                  else default_microbatches(group.pp, group.per_replica))
+        _try_counts(group, counts, profiled_batch, pricing, ranking)
+    if SYNTH in names and synthesized_configs > 0:
+        _add_synthesized(ranking, costs, synthesized_configs, pricing, world_size=world_size,
+                         batch_size=batch_size, profiled_batch=profiled_batch)
+    return AutoPlan(
+        world_size=world_size, batch_size=batch_size, memory_limit=memory_limit,
+        candidates=ranking.ranked(), simulated=ranking.simulated,
+        over_memory=ranking.over_memory, pruned=ranking.pruned,
+        seconds=time.perf_counter() - started, notes=ranking.notes,
+    )
+
+
+def _checked_names(world_size: int, batch_size: int, profiled_batch: int,
+                   memory_limit: float | None, schedules: Sequence[str] | None) -> list[str]:
+    """The schedule names to try, once the sizes and the limit are checked."""
     if world_size < 1 or batch_size < 1 or profiled_batch < 1:
         raise ValueError(
             f"world_size, batch_size and profiled_batch must be >= 1, got {world_size}, "
@@ -214,102 +317,99 @@ def search(
         raise ValueError(
             f"unknown schedules {unknown}; choose from {[*sorted(SCHEDULES), SYNTH]}"
         )
-    nodes = len(graph.graph["order"])
+    return names
+
+
+def _pipeline_depths(pp: Sequence[int] | None, world_size: int, nodes: int) -> list[int]:
     pps = list(pp) if pp is not None else [d for d in _divisors(world_size) if d <= nodes]
     bad = [p for p in pps if p < 1 or world_size % p]
     if bad:
         raise ValueError(f"pp {bad} must divide world_size={world_size}; use one of "
                          f"{_divisors(world_size)}")
-    costs_cache: dict[int, StageCosts | None] = {}
-    heap: list[tuple[float, int, Candidate]] = []  # max-heap on step time (negated)
-    simulated = over = pruned = 0
-    notes: list[str] = []
+    return pps
+
+
+class _StageCostsCache:
+    """The profiled costs of the graph cut into n stages, computed once per n (None, with a
+    note, when it cannot be cut so)."""
+
+    def __init__(self, graph: nx.DiGraph, notes: list[str]) -> None:
+        self.graph = graph
+        self.notes = notes
+        self.cache: dict[int, StageCosts | None] = {}
+
+    def get(self, stages: int) -> StageCosts | None:
+        if stages not in self.cache:
+            try:
+                self.cache[stages] = costs_for_stages(self.graph, stages)
+            except ValueError as err:  # e.g. fewer places to cut than stages
+                self.notes.append(f"{stages} stages: {err}")
+                self.cache[stages] = None
+        return self.cache[stages]
+
+
+def _groups(
+    pps: Sequence[int], names: Sequence[str], virtual_stages: Sequence[int] | None,
+    world_size: int, batch_size: int, nodes: int, costs: _StageCostsCache, notes: list[str],
+) -> Iterator[_Group]:
+    """Every (pp, generator schedule, chunks) the graph and the batch allow."""
     for p in pps:
         dp = world_size // p
         if batch_size % dp:
             notes.append(f"pp={p}: batch {batch_size} does not split over dp={dp} replicas")
             continue
-        per_replica = batch_size // dp
         for name in (n for n in names if n != SYNTH):
             for v in _variants(name, virtual_stages):
-                stages = p * v
-                if stages > nodes:
+                if p * v > nodes:
                     continue
-                if stages not in costs_cache:
-                    try:
-                        costs_cache[stages] = costs_for_stages(graph, stages)
-                    except ValueError as err:  # e.g. fewer places to cut than stages
-                        notes.append(f"{stages} stages: {err}")
-                        costs_cache[stages] = None
-                base = costs_cache[stages]
-                if base is None:
-                    continue
-                counts = (
-                    microbatches if microbatches is not None
-                    else default_microbatches(p, per_replica)
-                )
-                if p == 1 and v > 1:
+                base = costs.get(p * v)
+                if base is None or (p == 1 and v > 1):
                     continue  # chunks on a single rank only repeat the one-chunk schedules
-                # Largest m first: a rank holds min(k, m) microbatches of 1/m of the replica's
-                # batch for a schedule-given k, so its activations only grow as m shrinks,
-                # and the first count over the cap ends the group.
-                for m in sorted(counts, reverse=True):
-                    if m > per_replica:
-                        continue
-                    try:
-                        schedule = build_schedule(name, p, m, v)
-                    except ValueError:
-                        continue
-                    candidate, lower = _evaluate(
-                        schedule, base, per_replica / m / profiled_batch, dp, optimizer_factor,
-                        latency, overhead, dp_bandwidth, memory_limit,
-                        -heap[0][0] if len(heap) >= keep else None,
-                    )
-                    if lower == "memory":
-                        over += 1
-                        break  # the parameters alone do not fit, whatever m is
-                    if lower == "activations":
-                        over += 1
-                        break
-                    if candidate is None:
-                        pruned += 1
-                        continue
-                    simulated += 1
-                    _offer(heap, keep, candidate, simulated)
-    if SYNTH in names and synthesized_configs > 0:
-        # One rank runs its actions back to back in any order: nothing to search there.
-        configs = list(dict.fromkeys((c.pp, c.microbatches, c.virtual_stages) for _, _, c in
-                                     sorted(heap, key=lambda e: (-e[0], e[1])) if c.pp > 1))
-        for p, m, v in configs[:synthesized_configs]:
-            if p * v * m > SYNTH_MAX_CELLS:
-                notes.append(f"synth: not searched for pp={p}, m={m}, v={v} (over "
-                             f"{SYNTH_MAX_CELLS} stage x microbatch cells, seconds or more; "
-                             "call scheduler.synthesize for it)")
-                continue
-            dp = world_size // p
-            base = costs_cache.get(p * v) or costs_for_stages(graph, p * v)
-            costs_cache[p * v] = base
-            candidate = _synthesized(
-                base, p, m, v, dp, batch_size // dp / m / profiled_batch, optimizer_factor,
-                latency, overhead, dp_bandwidth, memory_limit,
-            )
-            if candidate is not None:
-                simulated += 1
-                _offer(heap, keep, candidate, simulated)
-    ranked = sorted(
-        (c for _, _, c in heap), key=lambda c: (c.step_time, c.max_memory, c.pp, c.schedule)
-    )
-    return AutoPlan(
-        world_size=world_size,
-        batch_size=batch_size,
-        memory_limit=memory_limit,
-        candidates=ranked,
-        simulated=simulated,
-        over_memory=over,
-        pruned=pruned,
-        seconds=time.perf_counter() - started,
-        notes=notes,
-    )
+                yield _Group(p, dp, batch_size // dp, name, v, base)
+
+
+def _try_counts(group: _Group, counts: Sequence[int], profiled_batch: int, pricing: Pricing,
+                ranking: _Ranking) -> None:
+    """Price the group's microbatch counts. Largest m first: a rank holds min(k, m)
+    microbatches of 1/m of the replica's batch for a schedule-given k, so its activations
+    only grow as m shrinks, and the first count over the cap ends the group."""
+    for m in sorted(counts, reverse=True):
+        if m > group.per_replica:
+            continue
+        try:
+            schedule = build_schedule(group.schedule, group.pp, m, group.virtual_stages)
+        except ValueError:
+            continue
+        trial = Trial(schedule, group.base, group.per_replica / m / profiled_batch, group.dp)
+        result = _evaluate(trial, pricing, ranking.bound())
+        if result is Rejection.BOUND:
+            ranking.pruned += 1
+        elif isinstance(result, Rejection):
+            ranking.over_memory += 1
+            return  # more microbatches fit no better
+        else:
+            ranking.offer(result)
+
+
+def _add_synthesized(ranking: _Ranking, costs: _StageCostsCache, configs: int, pricing: Pricing,
+                     *, world_size: int, batch_size: int, profiled_batch: int) -> None:
+    """A schedule synthesised for each of the `configs` best kept (pp, m, v), offered as a
+    candidate. One rank runs its actions back to back in any order: nothing to search there."""
+    best = [c for c in ranking.configs() if c[0] > 1]
+    for p, m, v in best[:configs]:
+        if p * v * m > SYNTH_MAX_CELLS:
+            ranking.notes.append(
+                f"synth: not searched for pp={p}, m={m}, v={v} (over {SYNTH_MAX_CELLS} stage x "
+                "microbatch cells, seconds or more; call scheduler.synthesize for it)")
+            continue
+        dp = world_size // p
+        base = costs.get(p * v)
+        if base is None:
+            continue
+        factor = batch_size // dp / m / profiled_batch
+        candidate = _synthesized(base, p, m, v, dp, factor, pricing)
+        if candidate is not None:
+            ranking.offer(candidate)
 
 
 def predicted(
@@ -325,75 +425,44 @@ def predicted(
     return schedule, predict(schedule, costs, latency=latency, overhead=overhead)
 
 
-def _offer(heap: list[tuple[float, int, Candidate]], keep: int, candidate: Candidate,
-           order: int) -> None:
-    """Keep `candidate` if it is among the `keep` fastest (heap: max-heap on step time)."""
-    entry = (-candidate.step_time, order, candidate)
-    if len(heap) < keep:
-        heapq.heappush(heap, entry)
-    elif candidate.step_time < -heap[0][0]:
-        heapq.heapreplace(heap, entry)
-
-
-def _synthesized(
-    base: StageCosts, p: int, m: int, v: int, dp: int, factor: float, optimizer_factor: float,
-    latency: float, overhead: float, dp_bandwidth: float | None, memory_limit: float | None,
-) -> Candidate | None:
+def _synthesized(base: StageCosts, p: int, m: int, v: int, dp: int, factor: float,
+                 pricing: Pricing) -> Candidate | None:
     """The candidate of a schedule synthesised for this (pp, m, v) from the scaled costs, in
     the memory the parameters leave (None if not even one microbatch fits)."""
     costs = _scaled(base, factor)
-    fixed = [x * optimizer_factor for x in _rank_sums(base.param_bytes, list(range(p)) * v, p)]
-    limits = inflight_limits(costs, p, m, v, memory_limit, fixed)
+    fixed = [x * pricing.optimizer_factor
+             for x in _rank_sums(base.param_bytes, list(range(p)) * v, p)]
+    limits = inflight_limits(costs, p, m, v, pricing.memory_limit, fixed)
     if limits is None:
         return None
-    schedule = synthesized(costs, p, m, limits, virtual_stages=v, latency=latency,
-                           overhead=overhead)
-    candidate, _ = _evaluate(schedule, base, factor, dp, optimizer_factor, latency, overhead,
-                             dp_bandwidth, memory_limit, None)
-    return None if candidate is None else replace(candidate, built=schedule)
+    schedule = synthesized(costs, p, m, limits, virtual_stages=v, latency=pricing.latency,
+                           overhead=pricing.overhead)
+    result = _evaluate(Trial(schedule, base, factor, dp), pricing, None)
+    return None if isinstance(result, Rejection) else replace(result, built=schedule)
 
 
-def _evaluate(
-    schedule: Schedule,
-    base: StageCosts,
-    factor: float,
-    dp: int,
-    optimizer_factor: float,
-    latency: float,
-    overhead: float,
-    dp_bandwidth: float | None,
-    memory_limit: float | None,
-    bound: float | None,
-) -> tuple[Candidate | None, str]:
-    """Simulate one candidate, unless its parameters alone break the cap ("memory") or its
-    lower bound cannot beat `bound` ("bound")."""
-    p, m = schedule.num_ranks, schedule.num_microbatches
-    params = _rank_sums(base.param_bytes, schedule.placement, p)
-    fixed = [x * optimizer_factor for x in params]
-    if memory_limit is not None and max(fixed) > memory_limit:
-        return None, "memory"
+def _evaluate(trial: Trial, pricing: Pricing, bound: float | None) -> Candidate | Rejection:
+    """Simulate one trial, unless its memory breaks the cap or its lower bound cannot beat
+    `bound` (the `Rejection` says which)."""
+    schedule, limit = trial.schedule, pricing.memory_limit
+    p, m, dp = schedule.num_ranks, schedule.num_microbatches, trial.dp
+    params = _rank_sums(trial.base.param_bytes, schedule.placement, p)
+    fixed = [x * pricing.optimizer_factor for x in params]
+    if limit is not None and max(fixed) > limit:
+        return Rejection.PARAMETERS
     allreduce = 0.0
-    if dp > 1 and dp_bandwidth is not None:
-        allreduce = 2 * (dp - 1) / dp * max(params) / dp_bandwidth
-    costs = _scaled(base, factor)
+    if dp > 1 and pricing.dp_bandwidth is not None:
+        allreduce = 2 * (dp - 1) / dp * max(params) / pricing.dp_bandwidth
+    costs = _scaled(trial.base, trial.factor)
     # Peak memory needs only the action order, so over-cap candidates are never simulated.
     memory = tuple(f + a for f, a in zip(fixed, peak_held(schedule, costs.activation_bytes),
                                            strict=True))
-    if memory_limit is not None and max(memory) > memory_limit:
-        return None, "activations"
-    if bound is not None:
-        # Rank r starts when microbatch 0 has run the forwards of every stage below its first
-        # one, then has all its own work to do.
-        ops = 3 if schedule.splits_backward else 2
-        work = [f + b + w + ops * overhead for f, b, w in
-                zip(costs.forward, costs.input_grad, costs.weight_grad, strict=True)]
-        totals = _rank_sums(work, schedule.placement, p)
-        lower = max(
-            sum(costs.forward[:min(schedule.stages_of(r))]) + totals[r] * m for r in range(p)
-        )
-        if lower + allreduce >= bound:
-            return None, "bound"
-    timeline = predict_summary(schedule, costs, latency=latency, overhead=overhead)
+    if limit is not None and max(memory) > limit:
+        return Rejection.ACTIVATIONS
+    if bound is not None and _lower_bound(schedule, costs, pricing.overhead) + allreduce >= bound:
+        return Rejection.BOUND
+    timeline = predict_summary(schedule, costs, latency=pricing.latency,
+                               overhead=pricing.overhead)
     return Candidate(
         pp=p,
         dp=dp,
@@ -405,4 +474,16 @@ def _evaluate(
         allreduce_time=allreduce,
         bubble=timeline.bubble_fraction,
         peak_memory=memory,
-    ), ""
+    )
+
+
+def _lower_bound(schedule: Schedule, costs: StageCosts, overhead: float) -> float:
+    """Rank r starts when microbatch 0 has run the forwards of every stage below its first
+    one, then has all its own work to do: the slowest rank's such time."""
+    ops = 3 if schedule.splits_backward else 2
+    work = [f + b + w + ops * overhead for f, b, w in
+            zip(costs.forward, costs.input_grad, costs.weight_grad, strict=True)]
+    totals = _rank_sums(work, schedule.placement, schedule.num_ranks)
+    m = schedule.num_microbatches
+    return max(sum(costs.forward[:min(schedule.stages_of(r))]) + totals[r] * m
+               for r in range(schedule.num_ranks))
