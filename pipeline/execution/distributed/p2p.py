@@ -199,7 +199,7 @@ class P2PTransport:
     yet consumed stay within `ahead_bytes` per peer (default AHEAD_BYTES; every receive of a
     step on small messages). gloo delivers a message only once its receive is posted, so a
     sender that runs ahead (GPipe's forwards, an interleaved rank's chunks) waited a round
-    trip per message beyond the first few (README, "Speed", for the figures). Under NCCL,
+    trip per message beyond the first few (figures: docs/distributed.md, "Speed"). Under NCCL,
     whose receives hold its stream, it stays at `prefetch`. Sends are isends (under gloo
     posted from a `_Sender` thread, with its `handoff` unless handoff=False) whose completion
     is awaited in `finish`. Message shapes are cached per batch-shape key (see
