@@ -1,16 +1,16 @@
-"""`Pipeline`: the user-facing facade. It checks the settings, then hands planning to a
-`Planner` (capture -> profile -> partition -> split -> costs; pipeline.planning.planner) and
-running to an `Executor` (pipeline.execution.executor): local threads in one process, or one
-process per pipeline rank under torchrun (pipeline.execution.distributed). Every method below is
-one code path; the local and distributed difference lives in the executor. The facade's own
-collaborators (settings checks, setup from the first batch, running, state, measurement) are in
-pipeline.facade."""
+"""`Pipeline`: the public API. Each method hands its work to one collaborator: planning to
+`Setup` (pipeline.facade.setup, over the `Planner`: capture -> profile -> partition -> split ->
+costs), running to an `Executor` (local threads in one process, or one process per pipeline
+rank under torchrun: pipeline.execution), the model's state (state dicts, checkpoints, meta
+models) to `ModelState` (pipeline.facade.state), and the measured steps with what is computed
+from them (calibration, prediction, re-plans) to `MeasuredSteps` (pipeline.facade.measurement).
+The local and distributed difference lives in the executor."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import networkx as nx
 import torch
@@ -18,13 +18,13 @@ from torch import Tensor, nn
 
 from partitioner import Plan, StageModule
 from pipeline.elastic.layout import choose_layout
+from pipeline.execution.distributed import DistContext
+from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision, warn_low_precision_parameters
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
-from pipeline.facade.measured import Measured
-from pipeline.facade.measurement import Measurement
-from pipeline.facade.module_like import ModuleLike
+from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.running import (
     CallGuard,
     check_grad_accumulation,
@@ -35,116 +35,64 @@ from pipeline.facade.settings import check_settings, executor_for
 from pipeline.facade.setup import Setup
 from pipeline.facade.state import ModelState
 from pipeline.planning.autoplan import AutoPlan
+from pipeline.planning.calibration import Calibration, Rebalance
+from pipeline.planning.costs import StageCosts
 from pipeline.planning.microbatch import Batch
 from pipeline.planning.planner import Planned
-from scheduler import Schedule
+from pipeline.planning.synthesis import Resynthesis
+from scheduler import Schedule, Timeline
+
+_P = TypeVar("_P", bound="Pipeline")
 
 
-class Pipeline(ModuleLike, Measured):
-    """A model split into pipeline stages that trains exactly as the unsplit model.
+class Pipeline:
+    """A model split into pipeline stages that trains exactly as the unsplit model:
+    ``pipe.step(x, y)`` leaves the gradients of ``loss_fn(model(x), y).backward()`` on the
+    whole batch (each microbatch's loss weighted by its share of the batch) and ``pipe(x)``
+    equals ``model(x)``. In one process a worker thread runs each pipeline rank on its
+    device; under torchrun each process runs one pipeline rank, with data-parallel replicas
+    of the pipeline, and every process makes the same calls.
 
-    ``Pipeline(model, stages=4)`` captures the model (torch.export, or torch.fx), partitions
-    it into ``stages x virtual_stages`` contiguous stages (``balance``: "profile" = measured time,
-    "parameters", "uniform", or node counts per stage), builds the schedule and runs each step
-    with one worker thread per pipeline rank, each on its device (``devices``; by default CUDA
-    devices when there are at least ``stages``, else CPU).
+    Arguments (all after ``stages`` keyword-only):
 
-    - ``schedule``: a name from ``scheduler.SCHEDULES`` ("gpipe", "1f1b", "1f1b-eager",
-      "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"), a ``scheduler.Schedule`` or
-      the path of a schedule text file
-      (``Schedule.to_text`` form); custom schedules are validated before anything runs.
+    - ``model``: the torch.nn.Module to split; on real devices or built on meta (``init_fn``).
+    - ``stages``: pipeline ranks; "auto" under torchrun: a layout for the world size chosen
+      from the global batch ``example_input``.
+    - ``schedule``: a name in ``scheduler.SCHEDULES`` ("gpipe", "1f1b", "interleaved-1f1b",
+      "zb-h1", "zbv", ...), a ``scheduler.Schedule``, the path of a schedule text file, or
+      "auto" (the fastest simulated, a synthesised one included).
+    - ``microbatches``: per batch (default ``min(2 x stages, batch size)``), or "auto".
+    - ``loss_fn``: ``loss_fn(output, targets)``, a mean-reduced loss; `step` needs it.
+    - ``balance``: "profile" (measured time), "parameters", "uniform", or units per stage.
+    - ``devices``: one per pipeline rank, in one process (default: CUDA devices when there
+      are at least ``stages``, else CPU).
+    - ``example_input``: a batch to plan from now (default: the first batch).
     - ``virtual_stages``: model chunks per rank (default 2 for interleaved-1f1b, zbv and
-      dualpipev, else 1).
-    - ``microbatches``: default ``min(2 x stages, batch size)`` of the first batch (logged on the
-      "hybridpipe" logger). Batches are split along dim 0 as ``torch.tensor_split`` does.
-    - ``schedule="auto"``, ``microbatches="auto"``, ``virtual_stages="auto"``: chosen on the
-      first batch by simulating the candidates on the profiled model (pipeline.planning.autoplan;
-      the fastest predicted step), under ``memory_limit`` bytes per device (parameters x 4 for
-      weights, grads and Adam, plus the simulated peak of held activations). ``pipe.autoplan``
-      holds the ranked candidates. "auto" schedules include one synthesised for the profiled
-      costs (``scheduler.synthesize``), and in one process, once two steps are measured, one
-      synthesised from the measured costs replaces the running schedule if it is predicted
-      > 5% faster (``pipe.resynthesized``; see `resynthesize`).
-    - ``example_input``: when given, the plan is made now; otherwise from the first batch
-      (capture and profiling run on one microbatch of it).
-    - ``checkpoint_activations``: recompute each stage's forward in its backward
-      (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations. With a
-      split-backward (zero-bubble) schedule, every stage but the first recomputes twice, once
-      for B and once for W (torch's checkpoint recomputes once per backward call), and W
-      re-walks the input-grad path (see pipeline.execution.split_backward).
-    - ``timeout``: seconds any wait for a tensor may take before the step fails (default
-      $HYBRIDPIPE_TIMEOUT, else 120).
-    - ``leaf_modules``: module classes kept whole when capturing: one unit of the exported
-      graph, or called whole by fx (see partitioner.capture).
+      dualpipev, else 1), or "auto".
+    - ``memory_limit``: bytes per device the "auto" choices must fit in.
+    - ``checkpoint_activations``: recompute each stage's forward in its backward.
+    - ``data_parallel``: replicas of the pipeline (torchrun; default world_size // stages).
+    - ``timeout``: seconds any wait may take (default $HYBRIDPIPE_TIMEOUT, else 120).
+    - ``leaf_modules``: module classes kept whole when capturing.
+    - ``rebalance``: re-partition once from measured costs if that cuts the predicted step
+      by > 5% (off by default; ``pipe.rebalance()`` does it on demand).
     - ``capture_method``: "auto" (torch.export, falling back to torch.fx), "export" or "fx".
-    - ``dynamic_dims``: dims (besides dim 0, the batch) that torch.export keeps dynamic in
-      every input having them, e.g. ``(1,)`` for the sequence length; the others are captured
-      static, and a later batch that changes one is captured again with it dynamic (one
-      process only; under torchrun name the dims here). ``pipe.plan`` lists the dynamic dims.
-    - ``data_parallel``: replicas of the pipeline; needs the distributed executor (torchrun).
-    - ``stages="auto"``: under torchrun, (stages, data_parallel, ...) chosen for the world
-      size from the global batch ``example_input`` (pipeline.elastic.layout).
-    - ``shard``: how the replicas of each stage share their state (torchrun): None (each keeps
-      everything), "optimizer" (ZeRO-1: each keeps the optimizer state of about
-      1/data_parallel of the parameters) or "full" (FSDP2: parameters, gradients and optimizer
-      state sharded); see pipeline.execution.distributed.shard. Build the optimizer with
-      ``pipe.optimizer(optimizer_class, **kwargs)``.
-    - ``rebalance``: after the third step, re-partition once from the measured stage costs if
-      that cuts the predicted step by > 5% (``pipe.rebalanced`` reports it; see `rebalance`).
-      Off by default: it changes the stages mid-run on a few noisy measurements, so it is the
-      user's call; ``pipe.rebalance()`` does it on demand.
-    - ``init_fn``: for a model built under ``torch.device("meta")``: once the plan is made,
-      each process materialises only its own stages on its device and initialises them:
-      "reset_parameters" (each module's own; a Hugging Face model's ``_init_weights``) or a
-      function called on each module owning a meta tensor, under an RNG seeded from
-      ``torch.initial_seed()`` (global rank 0's) and the module's name, so the weights do not
-      depend on the layout. Without it a meta model waits for ``load_state_dict`` /
-      ``load_checkpoint`` (what they lack, e.g. a rotary ``inv_freq``, comes from the modules'
-      init). A meta model is balanced by FLOPs + bytes estimated on meta (partitioner.estimate).
+    - ``mixed_precision``: ``torch.bfloat16`` or ``torch.float16`` autocast in every stage
+      (fp16 adds loss scaling: step with ``pipe.optimizer_step(opt)``).
+    - ``dynamic_dims``: input dims besides the batch that are captured dynamic, e.g. ``(1,)``.
+    - ``init_fn``: for a model built on meta: "reset_parameters" or a function initialising
+      each module; each process initialises only its own stages.
+    - ``grad_accumulation``: "atomic" (a failed step leaves ``.grad`` as it was) or
+      "in_place" (steps add into ``.grad`` without a second copy).
+    - ``shard``: how replicas share their state (torchrun): None, "optimizer" (ZeRO-1) or
+      "full" (FSDP2); build the optimizer with ``pipe.optimizer(...)``.
+    - ``reduce_dtype``: the dtype of the data-parallel gradient average (default fp32).
 
-    Under torchrun (torch.distributed initialised) the same call runs one pipeline rank per
-    process with ``data_parallel`` (default world_size // stages) replicas; see
-    pipeline.execution.distributed for the rank layout, the timeout and multi-node launch. Every
-    process makes the same calls; each passes its replica's batch to ``step`` (a process that holds
-    neither stage 0 nor the last stage may pass None for both, the first-stage process may pass
-    None for targets and the last-stage one None for inputs). Global rank 0 makes the plan and
-    the others follow it; each process keeps only its own stages' parameters (the others are
-    emptied), and ``parameters()`` / ``named_parameters()`` yield those. ``step`` returns the
-    mean loss over replicas on every process; ``pipe(x)`` returns the output on the processes
-    holding the last stage and None elsewhere.
-
-    Loss and gradients: ``step(x, y)`` applies ``loss_fn(output_m, y_m) * n_m / n`` to each
-    microbatch m (n_m samples of n), so with a mean-reduced loss the summed gradients equal
-    those of ``loss_fn(model(x), y)`` on the whole batch, also when the batch does not divide
-    evenly. Gradients accumulate into ``.grad`` like ``loss.backward()``; if a step fails, the
-    gradients it produced are discarded and ``.grad`` is left as before the step. That costs a
-    second copy of the gradients while a step adds to an existing ``.grad`` (accumulation
-    across steps without zero_grad); ``grad_accumulation="in_place"`` adds into it in place
-    instead, without the copy, and a failed (or cancelled) step may then leave it partly
-    added (the error says so; see pipeline.execution.grads).
-
-    Each executed action is labelled ``hybridpipe <stage><op><microbatch>`` (e.g. "1B3") with
-    ``torch.profiler.record_function``; the actions run in worker threads, so profile with
-    ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``
-    to see them. ``pipe.trace`` holds the same actions as measured ``scheduler.Event``s.
-
-    Mixed precision: ``mixed_precision=torch.bfloat16`` (or ``torch.float16``) runs every
-    stage's forward, and its recomputation, under ``torch.autocast`` for its device; parameters
-    and grads stay fp32, the loss is computed in fp32, and activations cross stages in the dtype
-    autocast gave them. fp16 adds dynamic loss scaling: call ``pipe.optimizer_step(opt)``
-    instead of ``opt.step()`` (see pipeline.execution.precision and loss_scale). The caller's
-    own ``torch.autocast`` (thread-local; it would not reach the worker threads) must agree
-    with ``mixed_precision`` or the call raises; autocast blocks inside forward are kept by
-    torch.export capture and refused by torch.fx. ``reduce_dtype=torch.bfloat16`` sends and
-    sums the data-parallel gradient average in bf16 (default fp32). Grad mode is handled:
-    ``pipe(x)`` under ``torch.no_grad()`` builds no graph.
-
-    BatchNorm in train mode normalises each microbatch with its own statistics and updates
-    the running statistics once per microbatch, so it differs from a whole-batch run (as in
-    any microbatched pipeline); in eval mode the pipeline is exact. Data-parallel replicas
-    take replica 0's running statistics after each step or forward (DDP's broadcast_buffers).
-    Dropout draws different random numbers than a single-device run (each rank's thread has
-    its own RNG stream use).
+    Guides: docs/capture.md (capture and real models), docs/schedules.md,
+    docs/planning.md (cost model, profiling, auto-plan, simulate, rebalance),
+    docs/precision-memory.md, docs/distributed.md (torchrun, data parallel, sharding),
+    docs/big-models.md (meta models, init_fn), docs/checkpoints.md (checkpoints, elastic
+    training), docs/cli.md (the command line and pictures).
     """
 
     def __init__(
@@ -187,14 +135,14 @@ class Pipeline(ModuleLike, Measured):
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
-        self._state = ModelState(model, self._executor, self.timeout, init_fn)
+        self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
         self._setup = Setup.plan_for(
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
             leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
             loss_fn=loss_fn, dynamic_dims=dynamic_dims,
         )
-        self._measure = Measurement(self._setup, self.stages, rebalance)
+        self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
         if example_input is not None:
             self._setup.setup(self._setup.as_args(example_input))
 
@@ -203,7 +151,9 @@ class Pipeline(ModuleLike, Measured):
         self._executor.load(
             planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
         )
-        self._state.initialise()
+        self._model_state.initialise()
+
+    # -- planning and running -----------------------------------------------------------------
 
     @property
     def microbatches(self) -> int | None:
@@ -212,8 +162,8 @@ class Pipeline(ModuleLike, Measured):
 
     @property
     def balance(self) -> str | Sequence[int]:
+        """How the stages were balanced ("profile", "parameters", "uniform" or the sizes)."""
         return self._setup.planner.balance
-
 
     @one_at_a_time
     def step(self, x: Batch | None, y: Batch | None) -> Tensor:
@@ -223,6 +173,10 @@ class Pipeline(ModuleLike, Measured):
         the whole-batch loss: the sum over microbatches of ``loss_fn(out_m, y_m) * n_m / n``, a
         detached 0-dim tensor on the last stage's device (the mean loss for mean-reduced
         losses). On error nothing is accumulated: ``.grad`` is as it was before the step.
+
+        Under torchrun every process calls it with its replica's batch (a process holding
+        neither stage 0 nor the last stage may pass None for both, the first-stage one None for
+        `y`, the last-stage one None for `x`) and gets the mean loss over the replicas.
         """
         if self.loss_fn is None:
             raise ValueError(
@@ -233,7 +187,7 @@ class Pipeline(ModuleLike, Measured):
         with self._executor.precision.calling("Pipeline.step", self._device_types):
             result = run_step(self._executor, self.parameters(), args, y,
                               in_place=self.grad_accumulation == "in_place")
-        self._measure.record(result.trace)
+        self._measured.record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")
         return result.loss
@@ -249,7 +203,6 @@ class Pipeline(ModuleLike, Measured):
 
     __call__ = forward
 
-
     @property
     def schedule(self) -> Schedule:
         """The Schedule being run (built from the first batch if microbatches was not given)."""
@@ -258,13 +211,13 @@ class Pipeline(ModuleLike, Measured):
     @property
     def plan(self) -> Plan:
         """The partition (stages, nodes, predicted costs, imbalance)."""
-        return self._setup.made.plan
+        return self._setup.require_plan().plan
 
     @property
     def stage_modules(self) -> list[StageModule]:
         """The stage modules this process holds, in stage order (they share the model's
         parameters; every stage in one process)."""
-        self._setup.made  # noqa: B018 - raises the explanatory error before the first batch
+        self._setup.require_plan()  # the explanatory error before the first batch
         held = self._executor.held()
         return [held[s] for s in sorted(held)]
 
@@ -272,13 +225,199 @@ class Pipeline(ModuleLike, Measured):
     def autoplan(self) -> AutoPlan | None:
         """The auto-planner's ranked candidates when a setting was "auto" (else None); for
         ``stages="auto"`` the (stages, data_parallel) layouts ranked for this world."""
-        self._setup.made  # noqa: B018 - raises the explanatory error before the first batch
+        self._setup.require_plan()  # the explanatory error before the first batch
         return self._setup.planner.autoplan or self._layouts
 
     @property
     def graph(self) -> nx.DiGraph:
         """The captured (and, once profiled, annotated) graph the plan partitions."""
-        return self._setup.made.graph
+        return self._setup.require_plan().graph
+
+    # -- as the model would: parameters, optimizers, state dicts, checkpoints, train/eval --
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters (the stages share them); under torch.distributed, once set
+        up, only this process's stages' parameters."""
+        return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[
+        tuple[str, nn.Parameter]
+    ]:
+        """The model's parameters under their original names (this process's, as above)."""
+        return self._executor.named_parameters(self.module, prefix, recurse)
+
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """``optimizer_class(pipe.parameters(), **kwargs)`` as the shard mode needs it: plain
+        (shard=None; "full", whose parameters are sharded DTensors, so the state is too) or
+        torch's ZeroRedundancyOptimizer of it over the replicas ("optimizer"). With a shard
+        mode, call it once the plan is made (example_input=..., or after the first step); a
+        plain optimizer instead is an error at its first step where it would be silently
+        wrong ("full", built before the plan) and a warning where it would keep the whole
+        state ("optimizer"). Checkpoints take it and load across modes and layouts."""
+        return self._executor.make_optimizer(list(self.parameters()), optimizer_class, **kwargs)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the gradients' norm over every
+        parameter (under torch.distributed combined over the pipeline's ranks, a tied
+        parameter counted once) is returned, the same on every process, and every gradient
+        is scaled by max_norm / (norm + 1e-6) when that is below 1. Call it after `step`,
+        before the optimizer's; clipping each process's own parameters instead would use a
+        different norm on every rank."""
+        return self._executor.clip_grad_norm_(
+            self.module, max_norm, norm_type, error_if_nonfinite
+        )
+
+    @property
+    def _device_types(self) -> set[str]:
+        return {d.type for d in self._executor.devices}
+
+    def optimizer_step(self, optimizer: Stepper, *args: Any, **kwargs: Any) -> bool:
+        """``optimizer.step(*args, **kwargs)`` as ``torch.amp.GradScaler.step`` does it (call
+        it after `step`, instead of ``optimizer.step()``). Under ``mixed_precision=
+        torch.float16`` the step is skipped on every process when any process (any stage, any
+        replica) found an inf/NaN gradient since the last call, and the loss scale is updated
+        the same way everywhere (`scaler`); otherwise it just steps. Returns whether the
+        optimizer stepped. Under torch.distributed every process calls it."""
+        return self._executor.precision.optimizer_step(
+            optimizer, self._executor.any_rank, *args, **kwargs
+        )
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (``get_scale()``, ``state_dict()``, ``load_state_dict()`` as
+        torch.amp.GradScaler's; kept in checkpoints), or None without fp16."""
+        return self._executor.precision.scaler
+
+    @property
+    def distributed(self) -> DistContext | None:
+        """The process groups and rank layout under torch.distributed, else None."""
+        return self._executor.context
+
+    @property
+    def holds_first_stage(self) -> bool:
+        """Whether this process runs stage 0 (always, in one process)."""
+        return self._executor.holds_first_stage
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this process runs the last stage (always, in one process)."""
+        return self._executor.holds_last_stage
+
+    def state_dict(self) -> dict[str, Tensor] | None:
+        """The whole model's state dict under its original keys (CPU copies). Under
+        torch.distributed every process must call it; global rank 0 gets it, others None."""
+        return self._model_state.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a whole-model state dict (e.g. ``model.state_dict()``, or ``torch.load(path,
+        mmap=True)``) into the stages this process holds. Missing or unexpected keys (when
+        `strict`) and shape mismatches raise ValueError listing them."""
+        self._model_state.load_state_dict(state_dict, strict)
+
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+        extra: Any = None, *, keep: int = 1, async_save: bool = False,
+    ) -> None:
+        """Write model and optimizer state (keyed by parameter name) and `extra` into the
+        checkpoint directory `path`, sharded (torch.distributed.checkpoint: every process
+        writes its own stages) and atomically (a new version, then an atomic switch; see
+        pipeline.checkpoint). Under torch.distributed every process calls it; loadable at any
+        (stages, data_parallel) layout. `extra` must be plain data (checked now). `keep`:
+        versions kept (the newest). `async_save`: return once the tensors are copied; the
+        write goes on in the background and the new version goes live when it is done
+        (`wait_checkpoint`; the next save or load waits for it first)."""
+        self._model_state.save_checkpoint(path, optimizer, extra, keep, async_save)
+
+    def wait_checkpoint(self, timeout: float | None = None) -> None:
+        """Return once the asynchronous save in flight (if any) is live on every process;
+        raise its error (the previous version stays live). Bounded by `timeout` seconds
+        (default: the Pipeline's timeout). Call it before the process ends."""
+        self._model_state.wait_checkpoint(timeout)
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+        *, version: str | None = None,
+    ) -> Any:
+        """Load a checkpoint from `save_checkpoint` (any layout) into this process's stages
+        and `optimizer` (build it first, with ``pipe.optimizer(...)``, or over
+        ``pipe.parameters()`` without shard=; any shard mode loads any other's); returns the
+        saved extra. All or nothing: a checkpoint of another model or optimizer (type, param
+        groups) is a ValueError that changes nothing. `version`: a retained older version
+        (e.g. "v-000003", kept by ``save_checkpoint(keep=...)``) instead of the live one."""
+        return self._model_state.load_checkpoint(path, optimizer, version)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none)
+
+    def train(self: _P, mode: bool = True) -> _P:
+        self.module.train(mode)
+        return self
+
+    def eval(self: _P) -> _P:
+        return self.train(False)
+
+    # -- measured and predicted steps --------------------------------------------------------
+
+    @property
+    def trace(self) -> Timeline | None:
+        """The measured Timeline of the last successful step (None before the first step).
+        Times are host perf_counter seconds; on CUDA they time kernel launches, not kernels."""
+        return self._measured.trace
+
+    def profiled_costs(self) -> StageCosts:
+        """Per-stage profiled seconds for one microbatch (profiling now, on one microbatch of
+        the first batch, if the plan was not balanced by profile). Under torch.distributed the
+        costs are those global rank 0 measured before the model was split."""
+        return self._measured.profiled_costs()
+
+    def simulate(
+        self, schedule: Schedule | str | None = None, comm: float | None = None,
+        calibrated: bool = True,
+    ) -> Timeline:
+        """The predicted Timeline of one step (pipeline.planning.costs.predict). Costs are the
+        calibrated ones (`calibration`: measured action times, runtime overhead per action and
+        transfer latency; the median of the steps predicted from each measured step, see
+        `pipeline.planning.calibration.predict_calibrated`) once steps have been measured and
+        `calibrated`, else the profiled ones. `schedule`: another Schedule or schedule name to
+        predict on this model (default: the one being run); for a different stage count the
+        (calibrated) graph is re-partitioned as ``balance`` says. `comm`: seconds per
+        cross-rank transfer (default: the calibrated latency, else 0)."""
+        return self._measured.simulate(schedule, comm, calibrated)
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """Measured costs from the recorded step traces (pipeline.planning.calibration), or None
+        before the second step (the first is warm-up)."""
+        return self._measured.calibration
+
+    def rebalance(self, threshold: float = 0.05) -> Rebalance:
+        """Re-partition from the measured costs when that cuts the calibrated predicted step
+        by more than `threshold` (the stage modules are rebuilt; they share the model's
+        parameters, so an optimizer over ``pipe.parameters()`` keeps working). Returns and
+        logs the Rebalance report (also kept as ``pipe.rebalanced``). One process only: under
+        torch.distributed the other processes no longer hold the weights a new cut needs."""
+        return self._measured.rebalance(threshold)
+
+    @property
+    def rebalanced(self) -> Rebalance | None:
+        """The report of the last `rebalance` (automatic or on demand), else None."""
+        return self._measured.rebalanced
+
+    def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
+        """Synthesise a schedule from the measured costs within the memory the running one
+        may hold (``memory_limit``, else its peak in-flight activations) and run it from the
+        next step if it cuts the calibrated predicted step by more than `threshold`. One
+        process only. Returns the report, also kept as ``pipe.resynthesized``."""
+        return self._measured.resynthesize(threshold)
+
+    @property
+    def resynthesized(self) -> Resynthesis | None:
+        """The report of the last `resynthesize` (automatic or on demand), else None."""
+        return self._measured.resynthesized
 
     def __repr__(self) -> str:
         planner = self._setup.planner

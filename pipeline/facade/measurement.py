@@ -1,4 +1,4 @@
-"""Measurement behind a Pipeline: the measured step traces, the calibration made from them,
+"""The measured steps of a Pipeline: their traces, the calibration made from them,
 the predicted step (simulate), re-partitioning from measured costs (rebalance) and, for
 schedule="auto", a schedule synthesised from measured costs (resynthesize)."""
 
@@ -28,7 +28,7 @@ from scheduler import Schedule, Timeline, build_schedule
 log = logging.getLogger("hybridpipe")
 
 
-class Measurement:
+class MeasuredSteps:
     """Step traces of one Pipeline (`setup` gives its plan and executor) and what is computed
     from them; `auto_rebalance`: re-balance once when two traces are in. With
     schedule="auto", in one process, a schedule is synthesised once from two traces of the
@@ -72,7 +72,7 @@ class Measurement:
     def profiled_costs(self) -> StageCosts:
         setup = self.setup
         with setup.executor.precision.planning(setup.executor.devices):
-            return setup.planner.costs(setup.made, setup.executor.coordination)
+            return setup.planner.costs(setup.require_plan(), setup.executor.coordination)
 
     def simulate(
         self, schedule: Schedule | str | None, comm: float | None, calibrated: bool
@@ -103,7 +103,7 @@ class Measurement:
             costs = profiled if step is None else calibrated_costs(step, profiled)
             if graph is None or target.num_stages == costs.num_stages:
                 return costs
-            plan = self.setup.made.plan
+            plan = self.setup.require_plan().plan
             scaled = graph if step is None else measured_node_costs(graph, plan, costs)
             return costs_for_stages(scaled, target.num_stages, balance)
 
@@ -134,7 +134,7 @@ class Measurement:
             "it reports instead",
         )
         setup = self.setup
-        planned = setup.made
+        planned = setup.require_plan()
         report, plan = propose_rebalance(
             planned.graph, planned.plan, planned.schedule, calibration, self.profiled_costs(),
             threshold,
@@ -155,7 +155,7 @@ class Measurement:
             "instead",
         )
         setup = self.setup
-        planned, profiled = setup.made, self.profiled_costs()
+        planned, profiled = setup.require_plan(), self.profiled_costs()
         limits = running_limits(planned.schedule, profiled, setup.planner.memory_limit)
         report, schedule = propose_schedule(
             planned.schedule, calibration, profiled, limits, threshold

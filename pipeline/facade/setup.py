@@ -62,8 +62,7 @@ class Setup:
         ))
         return cls(model, executor, planner, load)
 
-    @property
-    def made(self) -> Planned:
+    def require_plan(self) -> Planned:
         """The plan; a RuntimeError explaining when it is made if not yet."""
         if self.planned is None:
             raise RuntimeError(
