@@ -136,81 +136,117 @@ def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> dict[str, float]:
 def _run(out: Path, config: DemoConfig) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
+    batches, held_out = _data(config)
+    model = _model(config)
+    x0, _ = batches.next()
+    pipe = _plan(model, x0, config, out)
+    simulated = _simulate_schedules(pipe, config, out)
+    training = _train(pipe, model, batches, held_out, config)
+    x, y = batches.next()
+    checks = _check_cost_model(model, x0, x, y, config)
+    planned = _plan_for_8_devices(pipe, model, config)
+    _say("8. write pictures, trace and report")
+    summary = _write_results(out, pipe, training, checks)
+    (out / "report.md").write_text(_report(config, pipe, simulated, summary, checks, planned))
+    return summary
 
+
+def _data(config: DemoConfig) -> tuple[TokenBatches, TokenBatches]:
+    """Training and held-out batches of the standard library's source text."""
     _say("1. data: byte-level tokens from the Python standard library's source files")
     corpus = stdlib_corpus()
     batches = TokenBatches(corpus, config.batch_size, config.seq_len, seed=config.seed)
     held_out = TokenBatches(corpus, config.batch_size, config.seq_len, seed=config.seed + 1)
     _say(f"   {corpus.numel():,} tokens; batches of {config.batch_size} x {config.seq_len}")
+    return batches, held_out
 
+
+def _model(config: DemoConfig) -> GPT:
     model = GPT(
         vocab=256, dim=config.dim, layers=config.layers, heads=config.heads, max_seq=config.seq_len
     )
     n_params = sum(p.numel() for p in model.parameters())
     _say(f"2. model: GPT, {config.layers} layers, dim {config.dim}, {n_params:,} parameters")
+    return model
 
-    x0, _ = batches.next()
+
+def _plan(model: GPT, x0: torch.Tensor, config: DemoConfig, out: Path) -> Pipeline:
+    """The Pipeline, profiled and balanced on the first batch; its partition drawn."""
     _say(f"3. profile and auto-balance into {config.stages} stages")
     pipe = Pipeline(
-        model,
-        stages=config.stages,
-        schedule=config.schedule,
-        microbatches=config.microbatches,
-        loss_fn=lm_loss,
-        balance="profile",
-        example_input=x0,
+        model, stages=config.stages, schedule=config.schedule,
+        microbatches=config.microbatches, loss_fn=lm_loss, balance="profile", example_input=x0,
         leaf_modules=(TransformerBlock,),
     )
     _say(str(pipe.plan))
     plot_partition(pipe.plan, out / "partition.png", graph=pipe.graph)
+    return pipe
 
+
+def _simulate_schedules(pipe: Pipeline, config: DemoConfig, out: Path) -> list[Timeline]:
     _say(f"4. simulate the schedules on the profiled costs ({config.microbatches} microbatches)")
     simulated = compare_schedules(pipe, config.microbatches)
     _say(_table(simulated))
     plot_comparison(simulated, [t.name for t in simulated], out / "schedules.png", unit="s")
+    return simulated
 
+
+@dataclass(frozen=True)
+class Training:
+    """What the training run measured: per step its loss, its time with the optimizer's and
+    the pipeline step's alone (from its trace); the held-out loss before and after."""
+
+    losses: list[float]
+    step_times: list[float]
+    trace_times: list[float]
+    held_out_before: float
+    held_out_after: float
+
+
+def _train(
+    pipe: Pipeline, model: GPT, batches: TokenBatches, held_out: TokenBatches,
+    config: DemoConfig,
+) -> Training:
     _say(f"5. train {config.steps} steps with schedule {pipe.schedule.name!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     # Linear warm-up over 5% of the steps, then cosine decay: smoother than a constant rate.
     warmup = max(1, config.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * k / config.steps)),
     )
     losses: list[float] = []
     step_times: list[float] = []
-    trace_times: list[float] = []  # the pipeline step alone, from its trace
-    eval_before = _evaluate(pipe, held_out)
+    trace_times: list[float] = []
+    before = _evaluate(pipe, held_out)
     for step in range(config.steps):
         x, y = batches.next()
         started = time.perf_counter()
         loss = pipe.step(x, y)
         optimizer.step()
-        schedule.step()
+        lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - started)
         trace_times.append(pipe.trace.step_time if pipe.trace is not None else 0.0)
         losses.append(float(loss))
         if step % 25 == 0 or step == config.steps - 1:
             _say(f"   step {step:>4}  loss {losses[-1]:.3f}  {1e3 * step_times[-1]:.0f} ms")
-    eval_after = _evaluate(pipe, held_out)
+    return Training(losses, step_times, trace_times, before, _evaluate(pipe, held_out))
 
-    measured = pipe.trace
-    if measured is None:
-        raise RuntimeError("the pipeline recorded no trace")
-    predicted = pipe.simulate()  # calibrated on the last steps' traces
-    profiled = pipe.simulate(calibrated=False)
-    # Compared with the median of the steps it was calibrated on, not the last one alone
-    # (one step is +-10% off the median here on noise).
-    calibrated_on = pipe.calibration.steps if pipe.calibration is not None else 1
-    measured_step = statistics.median(trace_times[-calibrated_on:])
 
+def _check_cost_model(
+    model: GPT, x0: torch.Tensor, x: torch.Tensor, y: torch.Tensor, config: DemoConfig
+) -> list[Check]:
     _say(f"6. check the cost model on every schedule: predicted (profiled, calibrated on "
          f"{CHECK_STEPS} steps) vs measured (median of {CHECK_STEPS} held-out steps)")
-    x, y = batches.next()
     checks = check_schedules(model, x0, x, y, config)
     _say(_check_table(checks))
-    # A cap under one device's weights + grads + Adam state forces a pipeline.
+    return checks
+
+
+def _plan_for_8_devices(pipe: Pipeline, model: GPT, config: DemoConfig) -> AutoPlan:
+    """The auto-planner's ranking for 8 devices under a memory cap that forces a pipeline."""
+    # A cap under one device's weights + grads + Adam state.
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     limit = 0.75 * 4 * param_bytes
     _say(f"7. plan 8 devices for this model (hybridpipe plan), memory limit "
@@ -221,27 +257,39 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
         dp_bandwidth=1e10,
     )
     _say(planned.table(8))
-    _say("8. write pictures, trace and report")
+    return planned
+
+
+def _write_results(
+    out: Path, pipe: Pipeline, training: Training, checks: list[Check]
+) -> dict[str, float]:
+    """The pictures, the Chrome trace and summary.json; returns the summary figures."""
+    measured = pipe.trace
+    if measured is None:
+        raise RuntimeError("the pipeline recorded no trace")
+    predicted = pipe.simulate()  # calibrated on the last steps' traces
+    profiled = pipe.simulate(calibrated=False)
+    # Compared with the median of the steps it was calibrated on, not the last one alone
+    # (one step is +-10% off the median here on noise).
+    calibrated_on = pipe.calibration.steps if pipe.calibration is not None else 1
     plot_timeline(
         measured, out / "timeline_measured.png", unit="s", title=f"measured: {pipe.schedule.name}"
     )
     plot_comparison(
-        [predicted, measured],
-        ["predicted", "measured"],
-        out / "predicted_vs_measured.png",
+        [predicted, measured], ["predicted", "measured"], out / "predicted_vs_measured.png",
         unit="s",
     )
     plot_memory(measured, out / "memory.png", unit="s")
     to_chrome_trace(measured, out / "trace.json")
+    losses = training.losses
     plot_loss(losses, out / "loss.png", title="training loss (stdlib source, bytes)")
-    median_step = sorted(step_times)[len(step_times) // 2]
     summary = {
         "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]),
-        "held_out_before": eval_before,
-        "held_out_after": eval_after,
-        "step_time_s": median_step,
-        "trace_step_time_s": measured_step,
+        "held_out_before": training.held_out_before,
+        "held_out_after": training.held_out_after,
+        "step_time_s": sorted(training.step_times)[len(training.step_times) // 2],
+        "trace_step_time_s": statistics.median(training.trace_times[-calibrated_on:]),
         "trace_steps": calibrated_on,
         "predicted_step_time_s": predicted.step_time,
         "predicted_profiled_step_time_s": profiled.step_time,
@@ -251,7 +299,6 @@ def _run(out: Path, config: DemoConfig) -> dict[str, float]:
         "predicted_bubble": predicted.bubble_fraction,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "report.md").write_text(_report(config, pipe, simulated, summary, checks, planned))
     return summary
 
 
@@ -314,28 +361,35 @@ def _report(
             planned.table(8),
             "```",
             "",
-            "## Training",
-            "",
-            "| figure | value |",
-            "|---|---|",
-            f"| loss, first step | {s['loss_first']:.3f} |",
-            f"| loss, mean of last 10 steps | {s['loss_last']:.3f} |",
-            f"| held-out loss before / after | {s['held_out_before']:.3f} /"
-            f" {s['held_out_after']:.3f} |",
-            f"| median step time (incl. optimizer) | {1e3 * s['step_time_s']:.1f} ms |",
-            f"| step, measured (median of the last {s['trace_steps']} traces) | "
-            f"{1e3 * s['trace_step_time_s']:.1f} ms |",
-            f"| step, predicted (calibrated on them / profiled) | "
-            f"{1e3 * s['predicted_step_time_s']:.1f} / "
-            f"{1e3 * s['predicted_profiled_step_time_s']:.1f} ms |",
-            f"| bubble measured / predicted | {s['measured_bubble']:.1%} /"
-            f" {s['predicted_bubble']:.1%} |",
-            "",
+            *_training_table(s),
             "Files: partition.png, schedules.png, timeline_measured.png, predicted_vs_measured.png,"
             " memory.png, loss.png, trace.json (open in https://ui.perfetto.dev), summary.json.",
             "",
         ]
     )
+
+
+def _training_table(s: dict[str, float]) -> list[str]:
+    """The report's training section (lines), from the summary figures."""
+    return [
+        "## Training",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| loss, first step | {s['loss_first']:.3f} |",
+        f"| loss, mean of last 10 steps | {s['loss_last']:.3f} |",
+        f"| held-out loss before / after | {s['held_out_before']:.3f} /"
+        f" {s['held_out_after']:.3f} |",
+        f"| median step time (incl. optimizer) | {1e3 * s['step_time_s']:.1f} ms |",
+        f"| step, measured (median of the last {s['trace_steps']} traces) | "
+        f"{1e3 * s['trace_step_time_s']:.1f} ms |",
+        f"| step, predicted (calibrated on them / profiled) | "
+        f"{1e3 * s['predicted_step_time_s']:.1f} / "
+        f"{1e3 * s['predicted_profiled_step_time_s']:.1f} ms |",
+        f"| bubble measured / predicted | {s['measured_bubble']:.1%} /"
+        f" {s['predicted_bubble']:.1%} |",
+        "",
+    ]
 
 
 def run_main(out: str = "out", config: DemoConfig = DemoConfig()) -> int:
