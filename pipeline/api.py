@@ -88,11 +88,11 @@ class Pipeline:
       "full" (FSDP2); build the optimizer with ``pipe.optimizer(...)``.
     - ``reduce_dtype``: the dtype of the data-parallel gradient average (default fp32).
 
-    Guides: docs/capture.md (capture and real models), docs/schedules.md,
-    docs/planning.md (cost model, profiling, auto-plan, simulate, rebalance),
-    docs/precision-memory.md, docs/distributed.md (torchrun, data parallel, sharding),
-    docs/big-models.md (meta models, init_fn), docs/checkpoints.md (checkpoints, elastic
-    training), docs/cli.md (the command line and pictures).
+    Guides: docs/training.md (options and what a step guarantees), docs/capture.md (capture
+    and real models), docs/schedules.md, docs/planning.md (cost model, profiling, auto-plan,
+    simulate, rebalance), docs/precision-memory.md, docs/distributed.md (torchrun, data
+    parallel, sharding), docs/big-models.md (meta models, init_fn), docs/checkpoints.md
+    (checkpoints, elastic training), docs/cli.md (the command line and pictures).
     """
 
     def __init__(
@@ -365,7 +365,11 @@ class Pipeline:
     @property
     def trace(self) -> Timeline | None:
         """The measured Timeline of the last successful step (None before the first step).
-        Times are host perf_counter seconds; on CUDA they time kernel launches, not kernels."""
+        Times are host perf_counter seconds; on CUDA they time kernel launches, not kernels.
+        Under torch.profiler each action is also labelled ``hybridpipe <stage><op><microbatch>``
+        (e.g. "hybridpipe 1B3"); the actions run in worker threads, so profile with
+        ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``
+        to see them."""
         return self._measured.trace
 
     def profiled_costs(self) -> StageCosts:
