@@ -9,7 +9,8 @@ The local and distributed difference lives in the executor."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import networkx as nx
@@ -25,6 +26,7 @@ from pipeline.execution.precision import make_precision, warn_low_precision_para
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
 from pipeline.facade.measurement import MeasuredSteps
+from pipeline.facade.metrics import Metrics, StepMetrics
 from pipeline.facade.running import (
     CallGuard,
     check_grad_accumulation,
@@ -143,11 +145,14 @@ class Pipeline:
             loss_fn=loss_fn, dynamic_dims=dynamic_dims,
         )
         self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
+        self._metrics = Metrics()
         if example_input is not None:
             self._setup.setup(self._setup.as_args(example_input))
 
     def _load(self, planned: Planned) -> None:
         """Give a plan to the executor with this Pipeline's (current) loss and settings."""
+        # What the FLOP count needs, while this process still holds the whole model.
+        self._metrics.flop_count.snapshot(planned.graph.graph["graph_module"], planned.example)
         self._executor.load(
             planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
         )
@@ -183,6 +188,7 @@ class Pipeline:
                 "Pipeline.step needs a loss: pass loss_fn=... (e.g. nn.CrossEntropyLoss()) when "
                 "building the Pipeline, or call pipe(x) for forward only"
             )
+        start = time.perf_counter()
         args = self._setup.args(x)
         with self._executor.precision.calling("Pipeline.step", self._device_types):
             result = run_step(self._executor, self.parameters(), args, y,
@@ -190,7 +196,26 @@ class Pipeline:
         self._measured.record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")
+        self._metrics.after_step(self._executor, self._setup.require_plan(), args, y, result.loss,
+                                 result.trace, time.perf_counter() - start)
         return result.loss
+
+    @property
+    def metrics(self) -> StepMetrics | None:
+        """The last step's figures (None before the first step): samples/s, tokens/s (when the
+        input has a sequence dim), achieved FLOP/s and MFU, the measured bubble fraction and
+        the peak memory of this process's ranks (pipeline.facade.metrics.StepMetrics)."""
+        return self._metrics.last
+
+    def log_metrics(
+        self, every: int | None = 10, *, peak_flops: float | None = None,
+        to: Callable[[str], None] | None = None,
+    ) -> None:
+        """Log `metrics` every `every` steps (None: stop) on the "hybridpipe" logger at INFO,
+        or through `to` (e.g. ``print``). `peak_flops`: one device's dense peak FLOP/s for
+        MFU (default: read from the device's name for the arithmetic the step runs in; none
+        on CPU). Every process logs its own ranks' memory."""
+        self._metrics.configure(every, peak_flops, to)
 
     @one_at_a_time
     def forward(self, x: Batch | None) -> Any:

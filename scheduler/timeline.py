@@ -103,6 +103,15 @@ class Timeline:
         return sorted((e for e in self.events if e.rank == rank), key=lambda e: e.start)
 
 
+def format_bytes(size: float) -> str:
+    """A byte count as people read it: "512 B", "3.5 KiB", "31.4 MiB", "1.25 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    return f"{size:.3g} GiB"
+
+
 def per_stage(value: float | Sequence[float], num_stages: int, what: str) -> tuple[float, ...]:
     """Broadcast a scalar cost to every stage, or check a per-stage sequence's length."""
     if isinstance(value, (int, float)):
