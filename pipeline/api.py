@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import networkx as nx
 import torch
 from torch import Tensor, nn
+from torch.utils.data import Dataset, Sampler
 
 from partitioner import Plan, StageModule
 from pipeline.elastic.layout import choose_layout
@@ -25,6 +26,7 @@ from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision, warn_low_precision_parameters
 from pipeline.execution.program import LossFn
 from pipeline.execution.timeouts import resolve_timeout
+from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
 from pipeline.facade.running import (
@@ -321,6 +323,21 @@ class Pipeline:
     def distributed(self) -> DistContext | None:
         """The process groups and rank layout under torch.distributed, else None."""
         return self._executor.context
+
+    def replica_sampler(
+        self, data: Dataset[Any] | Sampler[Any], *, shuffle: bool = True, seed: int = 0,
+        drop_last: bool = False, epoch: int = 0, start: int = 0,
+    ) -> Sampler[Any]:
+        """This process's data-parallel replica's share of a dataset (torch's
+        DistributedSampler over the layout's replicas, resumable: `start` skips the samples the
+        job consumed this epoch under any layout; pipeline.facade.data.ReplicaSampler) or of a
+        sized sampler (every replicas-th index). Every pipeline rank of a replica gets the same
+        indices; in one process, all of them. Use it as ``DataLoader(data, batch_size,
+        sampler=pipe.replica_sampler(data))`` and call ``set_epoch`` each epoch."""
+        ctx = self._executor.context
+        replicas, rank = (1, 0) if ctx is None else (ctx.layout.data_parallel, ctx.layout.dp_rank)
+        return replica_sampler(data, replicas, rank, shuffle=shuffle, seed=seed,
+                               drop_last=drop_last, epoch=epoch, start=start)
 
     @property
     def holds_first_stage(self) -> bool:
