@@ -19,7 +19,7 @@ from scheduler.lowering import (
 )
 from scheduler.simulate import rank_costs_to_stages, simulate
 from scheduler.synthesize import lower_bound, synthesize
-from scheduler.timeline import Event, Timeline, format_bytes
+from scheduler.timeline import Event, Timeline, format_amount, format_bytes
 from scheduler.validate import validate
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Schedule",
     "Event",
     "Timeline",
+    "format_amount",
     "format_bytes",
     "SCHEDULES",
     "build_schedule",

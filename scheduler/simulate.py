@@ -36,6 +36,7 @@ def simulate(
     bandwidth: float | None = None,
     message_bytes: Cost | None = None,
     activation: Cost | None = None,
+    activation_unit: str = "B",
     scale: Callable[[int, int, int], float] | None = None,
 ) -> Timeline:
     """Simulate one step of `schedule` and return its predicted Timeline.
@@ -45,8 +46,9 @@ def simulate(
     arrives `comm` after its producer ends, plus `message_bytes[s] / bandwidth` when both are
     given (message_bytes[s]: bytes crossing boundary s -> s+1, activations forward and
     gradients back); same-rank handoffs are free. `activation` (per stage) sizes the memory
-    curve. `scale(stage, op, microbatch)` multiplies single actions' costs (e.g. drawn from a
-    measured spread). A schedule that cannot run raises the same ValueError as `validate`.
+    curve, in `activation_unit` (bytes by default). `scale(stage, op, microbatch)` multiplies
+    single actions' costs (e.g. drawn from a measured spread). A schedule that cannot run
+    raises the same ValueError as `validate`.
     """
     n = schedule.num_stages
     f = per_stage(forward, n, "forward")
@@ -78,6 +80,7 @@ def simulate(
         splits_backward=schedule.splits_backward,
         name=schedule.name,
         activation=act,
+        activation_unit=activation_unit,
     )
 
 

@@ -33,7 +33,8 @@ class Timeline:
     `bubble_fraction` = idle / (ranks x step_time). `peak_inflight[r]` is the most
     (stage, microbatch) activations held on rank r at once: held from the start of F until
     the end of B (or of W when backward is split). `memory[r]` is rank r's held activation
-    amount over time as (time, amount) steps, in `activation` units per (stage, microbatch).
+    amount over time as (time, amount) steps, in `activation` units per (stage, microbatch):
+    `activation_unit` names them, "B" (bytes, the default) or e.g. "microbatch".
     """
 
     events: tuple[Event, ...]
@@ -41,6 +42,7 @@ class Timeline:
     splits_backward: bool
     name: str = ""
     activation: tuple[float, ...] | None = None
+    activation_unit: str = "B"
     step_time: float = field(init=False)
     bubble_fraction: float = field(init=False)
     peak_inflight: tuple[int, ...] = field(init=False)
@@ -110,6 +112,11 @@ def format_bytes(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.3g} {unit}"
         size /= 1024
     return f"{size:.3g} GiB"
+
+
+def format_amount(amount: float, unit: str) -> str:
+    """An activation amount in its unit: bytes as `format_bytes`, others as "1.5 microbatch"."""
+    return format_bytes(amount) if unit == "B" else f"{amount:.3g} {unit}"
 
 
 def per_stage(value: float | Sequence[float], num_stages: int, what: str) -> tuple[float, ...]:

@@ -16,7 +16,7 @@ from matplotlib.collections import PathCollection
 from matplotlib.colors import to_hex
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from scheduler import Event, Op, Timeline, build_schedule, simulate
+from scheduler import Event, Op, Timeline, build_schedule, format_bytes, simulate
 from viz import (
     plot_comparison,
     plot_loss,
@@ -216,6 +216,22 @@ def test_memory_has_one_panel_per_rank_following_the_curve() -> None:
         assert len(set(xs[:-1])) == len(xs) - 1  # one amount per instant
         assert any(t.get_text() == f"peak {tl.peak_memory[rank]:.3g}" for t in ax.texts)
     assert [ax.get_ylabel() for ax in fig.axes] == ["rank 0", "rank 1"]
+
+
+def test_memory_in_bytes_is_drawn_in_mib_and_titled_so() -> None:
+    tl = two_rank_1f1b()
+    sized = Timeline(tl.events, tl.num_ranks, tl.splits_backward, name="1f1b",
+                     activation=(3 * 2**20, 5 * 2**20))
+    fig = plot_memory(sized)
+    assert "activation memory (MiB)" in fig.get_suptitle()
+    for rank, ax in enumerate(fig.axes):
+        assert max(ax.lines[0].get_ydata()) == sized.peak_memory[rank] / 2**20
+        assert any(t.get_text() == f"peak {format_bytes(sized.peak_memory[rank])}"
+                   for t in ax.texts)
+    assert "peak memory 6 MiB" in plot_timeline(sized).axes[0].get_title(loc="left")
+    units = Timeline(tl.events, tl.num_ranks, tl.splits_backward, activation=(0.5, 0.5),
+                     activation_unit="microbatch")
+    assert "peak memory 1 microbatch" in plot_timeline(units).axes[0].get_title(loc="left")
 
 
 def test_memory_has_no_zero_width_dips() -> None:

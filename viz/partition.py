@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch
 
-from scheduler import Op
+from scheduler import Op, format_bytes
 from viz.style import OP_COLORS, format_time, save, stage_color, stage_marker, time_scale
 
 COMM_COLOR = "#999999"
@@ -185,7 +185,7 @@ def _stage_axis(ax: Axes, plan: PlanLike, top: float) -> None:
         ax.text(  # in the gap between stage k and k+1, where the cut is
             k + 0.5,
             0.02,
-            f"cut\n{_format_bytes(float(size))}",
+            f"cut\n{format_bytes(float(size))}",
             transform=ax.get_xaxis_transform(),
             ha="center",
             va="bottom",
@@ -197,14 +197,6 @@ def _stage_axis(ax: Axes, plan: PlanLike, top: float) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize="small")
-
-
-def _format_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.3g} {unit}"
-        size /= 1024
-    return f"{size:.3g} GiB"
 
 
 def _graph_items(

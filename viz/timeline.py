@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from scheduler import Event, Op, Timeline
+from scheduler import Event, Op, Timeline, format_amount
 from viz.style import (
     OP_NAMES,
     chunk_color,
@@ -120,15 +120,18 @@ def plot_memory(
 ) -> Figure:
     """Activations held per rank over the step: one row per rank (shared axes), held from the
     start of a forward until its backward (or weight-grad when backward is split) ends, in
-    (stage, microbatch) units unless the Timeline carries per-stage activation sizes."""
+    (stage, microbatch) units unless the Timeline carries per-stage activation sizes (bytes:
+    drawn in KiB, MiB or GiB as the peak needs; or its `activation_unit`)."""
     _check_timeline(timeline, "timeline")
     ranks = timeline.num_ranks
     factor, xlabel = time_scale(timeline.step_time, unit)
     fig = Figure(figsize=(_WIDTH_IN, 1.3 + 0.85 * ranks), layout="constrained")
     axes = fig.subplots(ranks, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     end = timeline.step_time * factor
+    scale, shown = _amount_scale(timeline)
     for rank, ax in enumerate(axes):
         times, amounts = _settled(timeline.memory[rank], factor)
+        amounts = [a / scale for a in amounts]
         times.append(end)
         amounts.append(amounts[-1])
         color = stage_color(rank)
@@ -137,7 +140,8 @@ def plot_memory(
         peak = timeline.peak_memory[rank]
         ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
         ax.text(
-            1.005, 0.5, f"peak {peak:.3g}", transform=ax.transAxes, va="center", fontsize="small"
+            1.005, 0.5, f"peak {_peak(timeline, peak)}", transform=ax.transAxes, va="center",
+            fontsize="small",
         )
         ax.grid(alpha=0.3)
         ax.set_axisbelow(True)
@@ -148,7 +152,8 @@ def plot_memory(
     axes[0].set_xlim(0.0, end if end > 0 else 1.0)
     axes[0].set_ylim(bottom=0.0)
     axes[-1].set_xlabel(xlabel)
-    what = "(stage, microbatch) activations" if timeline.activation is None else "activation memory"
+    what = ("(stage, microbatch) activations" if timeline.activation is None
+            else f"activation memory ({shown})")
     head = timeline.name or "timeline"
     fig.suptitle(title if title is not None else f"{head}: {what} held per rank", x=0.01, ha="left")
     return save(fig, path)
@@ -201,6 +206,27 @@ def _settled(
             times.append(t * factor)
             amounts.append(amount)
     return times, amounts
+
+
+def _peak(timeline: Timeline, amount: float) -> str:
+    """A held amount as the title shows it: a count, or in the Timeline's activation unit."""
+    if timeline.activation is None:
+        return f"{amount:.3g}"
+    return format_amount(amount, timeline.activation_unit)
+
+
+def _amount_scale(timeline: Timeline) -> tuple[float, str]:
+    """The divisor of the memory axis and its unit: bytes in the binary unit of the largest
+    peak (KiB, MiB, GiB), other units as they are."""
+    if timeline.activation is None:
+        return 1.0, "count"
+    if timeline.activation_unit != "B":
+        return 1.0, timeline.activation_unit
+    peak = max(timeline.peak_memory, default=0.0)
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if peak >= 1024**power:
+            return float(1024**power), unit
+    return 1.0, "B"
 
 
 def _check_timeline(timeline: object, what: str) -> None:
@@ -303,7 +329,7 @@ def _summary(timeline: Timeline, name: str, unit: str | None) -> str:
     if timeline.activation is None:
         held = f"peak in-flight {max(timeline.peak_inflight, default=0)}"
     else:
-        held = f"peak memory {max(timeline.peak_memory, default=0.0):.3g}"
+        held = f"peak memory {_peak(timeline, max(timeline.peak_memory, default=0.0))}"
     return (
         f"{head}: step {format_time(timeline.step_time, unit)}, "
         f"bubble {timeline.bubble_fraction:.1%}, {held}"

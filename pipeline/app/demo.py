@@ -5,6 +5,7 @@ source text, and write pictures, a Chrome trace and a short report to an output 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -279,7 +280,9 @@ def _write_results(
         [predicted, measured], ["predicted", "measured"], out / "predicted_vs_measured.png",
         unit="s",
     )
-    plot_memory(measured, out / "memory.png", unit="s")
+    # The measured trace held in bytes: each (stage, microbatch) at its profiled activations.
+    sized = dataclasses.replace(measured, activation=tuple(pipe.profiled_costs().activation_bytes))
+    plot_memory(sized, out / "memory.png", unit="s")
     to_chrome_trace(measured, out / "trace.json")
     losses = training.losses
     plot_loss(losses, out / "loss.png", title="training loss (stdlib source, bytes)")

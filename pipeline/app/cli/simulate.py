@@ -152,6 +152,7 @@ def _simulate_all(args: argparse.Namespace) -> tuple[list[_Simulated], list[str]
             args.comm,
             # One unit = one microbatch's activations of a rank's whole share of the model.
             activation=[1.0 / schedule.virtual_stages] * schedule.num_stages,
+            activation_unit="microbatch",
         )
         results.append(_Simulated(schedule, timeline))
     return results, notes
