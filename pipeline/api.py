@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, Sampler
 
 from partitioner import Plan, StageModule
 from pipeline.elastic.layout import choose_layout
+from pipeline.execution.activations import Selective, check_policies
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
@@ -74,7 +75,10 @@ class Pipeline:
     - ``virtual_stages``: model chunks per rank (default 2 for interleaved-1f1b, zbv and
       dualpipev, else 1), or "auto".
     - ``memory_limit``: bytes per device the "auto" choices must fit in.
-    - ``checkpoint_activations``: recompute each stage's forward in its backward.
+    - ``checkpoint_activations``: what each stage keeps for its backward: "none" (False),
+      "full" (True; recomputed block by block), "selective" (matmul, convolution and
+      attention outputs kept, the rest recomputed), "offload" (kept in host memory), or one
+      per stage; see docs/precision-memory.md.
     - ``data_parallel``: replicas of the pipeline (torchrun; default world_size // stages).
     - ``timeout``: seconds any wait may take (default $HYBRIDPIPE_TIMEOUT, else 120).
     - ``leaf_modules``: module classes kept whole when capturing.
@@ -106,7 +110,8 @@ class Pipeline:
         balance: str | Sequence[int] = "profile",
         devices: Sequence[str | torch.device] | None = None,
         example_input: Batch | None = None, virtual_stages: int | str | None = None,
-        memory_limit: float | None = None, checkpoint_activations: bool = False,
+        memory_limit: float | None = None,
+        checkpoint_activations: bool | str | Selective | Sequence[bool | str | Selective] = False,
         data_parallel: int | None = None, timeout: float | None = None,
         leaf_modules: tuple[type, ...] | None = None, rebalance: bool = False,
         capture_method: str = "auto", mixed_precision: torch.dtype | None = None,
@@ -132,7 +137,7 @@ class Pipeline:
         )
         self.loss_fn = loss_fn
         self.grad_accumulation = check_grad_accumulation(grad_accumulation)
-        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_activations = check_policies(checkpoint_activations)
         self.timeout = resolve_timeout(timeout)
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard)
         self.shard = self._executor.shard

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from partitioner import StageModule
+from pipeline.execution.activations import Policy, stage_policies
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
@@ -49,20 +50,21 @@ class Executor(ABC):
     def __init__(self) -> None:
         self.planned: Planned | None = None
         self.loss_fn: LossFn | None = None
-        self.checkpoint_activations = False
+        self.activations: tuple[Policy, ...] = ()  # each stage's policy, once loaded
         self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
         self.weights_checked = False  # no meta tensor held (checked before the first step)
 
     # -- set-up -----------------------------------------------------------------------------------
 
     def load(
-        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: bool
+        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: object
     ) -> None:
         """Take the plan: place the stages this process holds on their devices (freeing the
-        others') and get ready to run."""
+        others') and get ready to run. `checkpoint_activations`: the activation policy, one
+        for all stages or one per stage (pipeline.execution.activations)."""
+        self.activations = stage_policies(checkpoint_activations, planned.schedule.num_stages)
         self.planned = planned
         self.loss_fn = loss_fn
-        self.checkpoint_activations = checkpoint_activations
         self.reload()
 
     def setting_up(self) -> AbstractContextManager[None]:

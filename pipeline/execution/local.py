@@ -243,7 +243,7 @@ class LocalExecutor(Executor):
                 ),
                 device=self.devices[rank],
                 loss_fn=self.loss_fn,
-                checkpoint_activations=self.checkpoint_activations,
+                activations={s: self.activations[s] for s in schedule.stages_of(rank)},
                 precision=self.precision,
                 abort=self.abort,
                 statistics=statistics,

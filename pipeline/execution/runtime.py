@@ -30,14 +30,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 
+from pipeline.execution.activations import Policy, recomputes
 from pipeline.execution.cancel import CancelToken, PipelineAborted
 from pipeline.execution.grads import (
     Restored,
@@ -55,7 +56,7 @@ from pipeline.execution.program import (
     Transport,
     compile_program,
 )
-from pipeline.execution.split_backward import backward_input, backward_weight
+from pipeline.execution.split_backward import WeightWork, backward_input, backward_weight
 from pipeline.execution.stage_io import (
     as_leaves,
     backward_roots,
@@ -63,6 +64,7 @@ from pipeline.execution.stage_io import (
     check_step_args,
     weighted_loss,
 )
+from pipeline.execution.stage_run import stage_run
 from pipeline.execution.step_state import StepState
 from scheduler import Action, Event, Op, Recv, Schedule, Send, forward_only
 
@@ -86,6 +88,9 @@ class RankRuntime:
 
     `precision` (pipeline.execution.precision): the autocast each stage's forward and its
     recomputation run under, the fp32 loss, and the loss scale a backward starts from.
+    `activations`: each stage's activation policy (pipeline.execution.activations; "none"
+    when absent). A stage under a recompute policy computes its weight grads in B even when
+    the schedule splits backward (its W is then empty), so its blocks are recomputed once.
     """
 
     def __init__(
@@ -97,7 +102,7 @@ class RankRuntime:
         *,
         device: torch.device | str = "cpu",
         loss_fn: LossFn | None = None,
-        checkpoint_activations: bool = False,
+        activations: Mapping[int, Policy] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
         abort: CancelToken | None = None,
         statistics: Collection[str] = (),
@@ -115,12 +120,20 @@ class RankRuntime:
         self.transport = transport
         self.device = torch.device(device)
         self.loss_fn = loss_fn
-        self.checkpoint_activations = checkpoint_activations
         self.statistics = frozenset(statistics)
         self.precision = precision or Precision()
         self.on_stage_done = on_stage_done
         self.abort = abort
         self.last_stage = schedule.num_stages - 1
+        policies = activations or {}
+        # How each stage runs in a training forward (precision, then activation policy).
+        self._runs = {
+            s: stage_run(m, device=self.device, precision=self.precision,
+                         policy=policies.get(s, "none"),
+                         restoring=partial(self._recomputing, m))
+            for s, m in self.stages.items()
+        }
+        self._recomputes = {s for s in self.stages if recomputes(policies.get(s, "none"))}
         self.program = compile_program(schedule, rank)
         self._forward_programs: dict[int, Program] = {}
         self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
@@ -263,12 +276,8 @@ class RankRuntime:
         # The module gets clones of the leaves, as in the unsplit model a stage's first op
         # may work in place on its input (e.g. ReLU(inplace=True)), which a leaf forbids.
         args = tuple(t.clone() if t.requires_grad and t.is_leaf else t for t in inputs)
-        run = self.precision.stage(module, self.device)  # under autocast, also when recomputed
-        if train and self.checkpoint_activations:
-            outputs = checkpoint(run, *args, use_reentrant=False,
-                                 context_fn=lambda: (nullcontext(), self._recomputing(module)))
-        else:
-            outputs = run(*args)
+        run = self._runs[stage] if train else self.precision.stage(module, self.device)
+        outputs = run(*args)
         outputs = check_stage_outputs(outputs, stage, last=step.writes is None)
         if step.writes is None:  # the last stage
             if not train:
@@ -311,14 +320,16 @@ class RankRuntime:
         wanted = [t for t in floats if t.requires_grad]
         params = self._leaves[stage].leaves
         work = None
-        if not self.schedule.splits_backward:
+        # A recomputing stage takes its weight grads in B too: torch's checkpoint recomputes
+        # once per backward call, so a separate W would recompute the blocks a second time.
+        if not self.schedule.splits_backward or stage in self._recomputes:
             if roots and (wanted or params):  # AccumulateGrad writes the step's leaves
                 torch.autograd.backward(roots, grads, inputs=[*wanted, *params])
             dx: Sequence[Tensor | None] = [t.grad for t in wanted]
+            if self.schedule.splits_backward:
+                work = WeightWork([], [], [], [])  # its W has nothing left to do
         else:
-            dx, work = backward_input(
-                roots, grads, wanted, params, save_weight_paths=not self.checkpoint_activations
-            )
+            dx, work = backward_input(roots, grads, wanted, params)
         by_id = {id(t): g for t, g in zip(wanted, dx, strict=True)}
         self._state.deliver_input_grads(step.writes, mb, floats, [by_id.get(id(t)) for t in floats])
         if work is not None:

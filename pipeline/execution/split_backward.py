@@ -5,8 +5,8 @@ B runs `torch.autograd.grad` w.r.t. the stage inputs only (graph kept), and capt
 pre-hooks the gradient arriving where each weight's path leaves the input-grad path; W starts
 from those saved gradients, so the activation-grad path is walked once. Stage outputs that do
 not depend on the stage inputs (and stage 0, whose inputs need no grad) get their weight grads
-from a plain pass in W. Under activation checkpointing W is one backward from the outputs
-restricted to the weights, since each backward call recomputes the checkpointed forward.
+from a plain pass in W. (A stage under a recompute policy does not split: the runtime takes
+its weight grads in B, since each backward call would recompute its checkpointed blocks.)
 """
 
 from __future__ import annotations
@@ -72,8 +72,6 @@ def backward_input(
     grads: Sequence[Tensor | None],
     inputs: Sequence[Tensor],
     params: Sequence[Tensor],
-    *,
-    save_weight_paths: bool = True,
 ) -> tuple[tuple[Tensor | None, ...], WeightWork]:
     """B of a split backward: the gradients of `inputs` only (graph kept for W).
 
@@ -81,16 +79,9 @@ def backward_input(
     where a weight's path leaves the input-grad path is captured with a node pre-hook, so W
     starts from those nodes and never re-walks the input-grad path (the idea behind
     torch.distributed.pipelining's stage_backward_input/stage_backward_weight). W then makes
-    one backward call per weight group. With `save_weight_paths=False` (used under activation
-    checkpointing, which recomputes the forward once per backward call) W is instead one
-    backward from the outputs restricted to the weights, re-walking the input-grad path."""
-    if not inputs or not save_weight_paths:
-        dx: tuple[Tensor | None, ...] = tuple(None for _ in inputs)
-        if inputs and roots:
-            dx = torch.autograd.grad(
-                list(roots), list(inputs), list(grads), retain_graph=True, allow_unused=True
-            )
-        return dx, WeightWork([], list(roots), list(grads), list(params))
+    one backward call per weight group."""
+    if not inputs:  # stage 0: W computes every weight grad in one pass
+        return (), WeightWork([], list(roots), list(grads), list(params))
     root_nodes = [_grad_node(r) for r in roots]
     input_nodes = [n for n in map(_grad_node, inputs) if n is not None]
     parents: dict[Node, list[Node]] = {}
@@ -140,7 +131,7 @@ def backward_input(
 
             handles.append(node.register_prehook(save))
     try:
-        dx = tuple(None for _ in inputs)
+        dx: tuple[Tensor | None, ...] = tuple(None for _ in inputs)
         if linked:
             dx = torch.autograd.grad(
                 [roots[i] for i in linked],

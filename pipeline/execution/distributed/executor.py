@@ -102,7 +102,7 @@ class DistributedExecutor(Executor):
         return self.context.agreement.phase("setup")
 
     def load(
-        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: bool
+        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: object
     ) -> None:
         schedule = planned.schedule
         if schedule.num_stages > MAX_STAGES or schedule.num_microbatches >= MAX_MICROBATCHES:
@@ -156,7 +156,7 @@ class DistributedExecutor(Executor):
                 self.transport,
                 device=self.context.device,
                 loss_fn=self.loss_fn,
-                checkpoint_activations=self.checkpoint_activations,
+                activations={s: self.activations[s] for s in self._mine},
                 precision=self.precision,
                 on_stage_done=self.grads.start,
                 statistics=statistics,

@@ -1,0 +1,116 @@
+"""The activation policies a stage can run under, and the check of the user's
+``checkpoint_activations=`` value: a policy name, a `Selective` with its own op list, True /
+False, or one policy per stage.
+
+- "none": keep every tensor the backward needs (fastest, most memory).
+- "full": keep each block's inputs only and recompute the block in the backward, one block
+  at a time (pipeline.execution.activations.blocks; torch.utils.checkpoint per block).
+- "selective": keep each block's inputs and the outputs of the ops in `Selective.save`
+  (matmuls, convolutions, attention), recompute the rest (op-level selective activation
+  checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+- "offload": keep every tensor, in host memory (``torch.autograd.graph.save_on_cpu``;
+  pipeline.execution.activations.offload on CUDA, copies on a side stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NONE, FULL, SELECTIVE, OFFLOAD = "none", "full", "selective", "offload"
+POLICIES = (NONE, FULL, SELECTIVE, OFFLOAD)
+
+_aten = torch.ops.aten
+SELECTIVE_SAVE_OPS: tuple[torch._ops.OpOverload, ...] = (
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._flash_attention_forward.default,
+    _aten._efficient_attention_forward.default,
+    _aten._scaled_mm.default,
+)
+"""The ops whose outputs "selective" keeps by default: the matmuls, convolutions and fused
+attention kernels (the expensive ops); everything else (norms, activations, dropout, adds,
+views, softmax of unfused attention) is recomputed."""
+
+
+@dataclass(frozen=True)
+class Selective:
+    """Op-level selective recompute keeping the outputs of the `save` ops (ATen overloads such
+    as ``torch.ops.aten.mm.default``), e.g. ``Selective(save=(torch.ops.aten.mm.default,))``
+    to keep only plain matmuls. ``checkpoint_activations="selective"`` is
+    ``Selective()``."""
+
+    save: tuple[torch._ops.OpOverload, ...] = SELECTIVE_SAVE_OPS
+
+    def __post_init__(self) -> None:
+        bad = [op for op in self.save if not isinstance(op, torch._ops.OpOverload)]
+        if bad:
+            raise TypeError(
+                f"Selective(save=...) takes ATen op overloads such as "
+                f"torch.ops.aten.mm.default; got {bad!r}"
+            )
+
+    def __str__(self) -> str:
+        return SELECTIVE
+
+
+Policy = str | Selective
+"""One stage's policy once checked: "none", "full", "offload" or a `Selective`."""
+
+_ACCEPTED = (
+    f"one of {list(POLICIES)}, True (= 'full'), False (= 'none'), a "
+    "pipeline.execution.activations.Selective, or a list with one of those per stage"
+)
+
+
+def _one(value: object) -> Policy:
+    if isinstance(value, bool):
+        return FULL if value else NONE
+    if isinstance(value, Selective):
+        return value
+    if isinstance(value, str) and value in POLICIES:
+        return Selective() if value == SELECTIVE else value
+    raise ValueError(f"checkpoint_activations={value!r} is not a policy; give {_ACCEPTED}")
+
+
+def check_policies(value: object) -> object:
+    """`value` checked as ``checkpoint_activations=`` (stage count not known yet): a
+    ValueError naming the accepted values otherwise. Returns it unchanged."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"checkpoint_activations=[] names no policy; give {_ACCEPTED}")
+        for v in value:
+            _one(v)
+        return value
+    _one(value)
+    return value
+
+
+def stage_policies(value: object, num_stages: int) -> tuple[Policy, ...]:
+    """One checked policy per stage from a ``checkpoint_activations=`` value other than
+    "auto" (which the planner resolves to such a list)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_stages:
+            raise ValueError(
+                f"checkpoint_activations has {len(value)} policies for {num_stages} stages; "
+                f"give one per stage (stages x virtual_stages = {num_stages}) or one for all"
+            )
+        return tuple(_one(v) for v in value)
+    return (_one(value),) * num_stages
+
+
+def recomputes(policy: Policy) -> bool:
+    """Whether the policy recomputes part of the forward in the backward."""
+    return policy == FULL or isinstance(policy, Selective)
+
+
+def name_of(policy: Policy) -> str:
+    return str(policy)

@@ -1,0 +1,59 @@
+"""A stage's training forward under a recompute policy ("full" or "selective"): its blocks
+(pipeline.execution.activations.blocks) run one by one, each under non-reentrant
+``torch.utils.checkpoint``, so the backward recomputes one block at a time. "selective" adds
+torch's op-level selective checkpointing: the outputs of the `Selective.save` ops are kept
+and only the other ops are recomputed.
+
+Recomputation replays each block with the RNG state its forward started from (dropout draws
+the same numbers; checkpoint's ``preserve_rng_state``), under the autocast the block's own
+forward enters, with `restoring()` around it (the runtime puts running statistics back, so a
+BatchNorm updates them once per microbatch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from pipeline.execution.activations.blocks import BlockChain
+from pipeline.execution.activations.policies import Selective
+
+
+@contextmanager
+def _both(
+    first: AbstractContextManager[Any], second: AbstractContextManager[Any]
+) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def recomputed(
+    stage: nn.Module,
+    policy: str | Selective,
+    wrap: Callable[[nn.Module], Callable[..., Any]],
+    restoring: Callable[[], AbstractContextManager[Any]],
+) -> Callable[..., Any]:
+    """`stage`'s forward recomputed per block under `policy` ("full" or a `Selective`);
+    `wrap(block)` is how one block is called (e.g. under autocast)."""
+    chain = BlockChain(stage)  # type: ignore[arg-type]  # a StageModule is an fx.GraphModule
+    runs = {id(b.module): wrap(b.module) for b in chain.blocks}
+
+    def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        if isinstance(policy, Selective):
+            keep, replay = create_selective_checkpoint_contexts(list(policy.save))
+            return keep, _both(replay, restoring())
+        return nullcontext(), restoring()
+
+    def run_block(block: nn.Module, *values: Any) -> Any:
+        return checkpoint(
+            runs[id(block)], *values, use_reentrant=False, context_fn=contexts,
+            respect_saved_tensors_hooks=True,
+        )
+
+    def forward(*args: Any) -> Any:
+        return chain(*args, run=run_block)
+
+    return forward

@@ -1,0 +1,46 @@
+"""The one ordered place where a stage is made ready for a training forward: each feature
+that wraps a stage is one call into its own module, applied in this order:
+
+1. precision: the forward under the Pipeline's autocast (pipeline.execution.precision), per
+   block when the stage runs as blocks, so a recomputation enters it too;
+2. activation policy (pipeline.execution.activations): "none" calls it as is, "full" and
+   "selective" recompute it block by block, "offload" keeps its saved tensors in host
+   memory.
+
+None of the steps knows about the others."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.execution.activations.offload import offloaded
+from pipeline.execution.activations.policies import OFFLOAD, Policy, recomputes
+from pipeline.execution.activations.recompute import recomputed
+from pipeline.execution.precision import Precision
+
+
+def stage_run(
+    module: nn.Module,
+    *,
+    device: torch.device,
+    precision: Precision,
+    policy: Policy,
+    restoring: Callable[[], AbstractContextManager[Any]],
+) -> Callable[..., Any]:
+    """How the runtime calls `module` in a training forward. `restoring()`: the context a
+    recomputation runs in (pipeline.execution.runtime puts running statistics back)."""
+
+    def with_precision(m: nn.Module) -> Callable[..., Any]:
+        return precision.stage(m, device)
+
+    if recomputes(policy):
+        return recomputed(module, policy, with_precision, restoring)
+    run = with_precision(module)
+    if policy == OFFLOAD:
+        return offloaded(run, device)
+    return run
