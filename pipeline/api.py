@@ -22,6 +22,7 @@ from partitioner import Plan, StageModule
 from pipeline.elastic.layout import choose_layout
 from pipeline.execution.activations import Selective, check_policies
 from pipeline.execution.distributed import DistContext
+from pipeline.execution.executor import merge_outputs
 from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision, warn_low_precision_parameters
@@ -234,6 +235,32 @@ class Pipeline:
             return self._executor.forward(self._setup.args(x))
 
     __call__ = forward
+
+    @one_at_a_time
+    def evaluate(
+        self, x: Batch | None, y: Batch | None, *, return_outputs: bool = False
+    ) -> Tensor | tuple[Tensor, Any]:
+        """The loss of batch `x` with targets `y`, as `step` computes it but forward only: a
+        forward-only schedule over the microbatches under ``torch.no_grad()`` (no autograd
+        state kept), with ``.grad``, the optimizer and the random number generators of the
+        training run left as they were (dropout in train mode draws from a forked RNG), and
+        BatchNorm statistics untouched in eval mode. Runs in the modules' mode: call
+        ``pipe.eval()`` first for a validation pass. Returns the loss (a detached 0-dim
+        tensor) on every process, the mean over replicas; with `return_outputs`, also the
+        merged output (None on processes without the last stage). Under torchrun every
+        process calls it, passing inputs and targets as to `step`."""
+        if self.loss_fn is None:
+            raise ValueError(
+                "Pipeline.evaluate needs a loss: pass loss_fn=... when building the Pipeline, "
+                "or call pipe(x) under torch.no_grad() for the outputs alone"
+            )
+        devices = [d for d in self.devices if d.type == "cuda"]
+        with self._executor.precision.calling("Pipeline.evaluate", self._device_types), \
+                torch.random.fork_rng(devices=devices):
+            loss, outputs = self._executor.evaluate(self._setup.args(x), y)
+        if not return_outputs:
+            return loss
+        return loss, None if outputs is None else merge_outputs(outputs)
 
     @property
     def schedule(self) -> Schedule:

@@ -22,6 +22,7 @@ from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
+from pipeline.execution.stage_io import weighted_loss
 from pipeline.planning.microbatch import (
     batch_size,
     merge_microbatches,
@@ -213,6 +214,43 @@ class Executor(ABC):
     def forward(self, args: tuple[Any, ...] | None) -> Any:
         """Forward only, in at most the schedule's microbatch count; the merged output where
         the last stage runs, else None."""
+        outputs = self.forward_microbatches(args)
+        return None if outputs is None else merge_outputs(outputs)
+
+    def evaluate(
+        self, args: tuple[Any, ...] | None, targets: Any
+    ) -> tuple[Tensor, list[Any] | None]:
+        """Forward only without autograd, and the loss as `run_step` defines it (the sum of
+        ``loss_fn(out_m, y_m) * n_m / n``, in fp32 under mixed precision) on every process,
+        the mean over replicas; with the outputs per microbatch where the last stage runs."""
+        with torch.no_grad():
+            outputs = self.forward_microbatches(args)
+            loss = None
+            if outputs is not None:
+                if targets is None:
+                    raise ValueError(
+                        f"{self.describe()} holds the last stage: pass its targets to evaluate"
+                    )
+                n = batch_size(targets, "targets")
+                ys = split_microbatches(targets, len(outputs), "targets")
+                sizes = microbatch_sizes(n, len(outputs))
+                loss = torch.stack([
+                    weighted_loss(self.loss_fn, self.precision.loss_input(out),
+                                  to_device(y, self.target_device), k / n, mb)
+                    for mb, (out, y, k) in enumerate(zip(outputs, ys, sizes, strict=True))
+                ]).sum()
+        return self.share_loss(loss), outputs
+
+    def share_loss(self, loss: Tensor | None) -> Tensor:
+        """The loss of the last stage's process on every process (mean over replicas); here
+        the one process holds it."""
+        if loss is None:
+            raise RuntimeError("the process that holds the last stage computed no loss")
+        return loss
+
+    def forward_microbatches(self, args: tuple[Any, ...] | None) -> list[Any] | None:
+        """Forward only, in at most the schedule's microbatch count; each microbatch's output
+        where the last stage runs, else None."""
         self.check_weights()
         inputs = None
         if self.holds_first_stage:
@@ -224,14 +262,7 @@ class Executor(ABC):
                 for a in split_microbatches(args, m, "inputs")
             ]
         outputs = self._run_forward(inputs)
-        if not self.holds_last_stage:
-            return None
-        # The last stage's process may not hold the inputs: the microbatches' row counts
-        # come from the outputs' batch dim when they have one (else equal shares).
-        rows = [_rows(out) for out in outputs]
-        total = sum(rows)
-        weights = [r / total for r in rows] if all(rows) else None
-        return merge_microbatches(outputs, weights)
+        return outputs if self.holds_last_stage else None
 
     @abstractmethod
     def _run_step(
@@ -247,6 +278,16 @@ class Executor(ABC):
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
         """Forward only; the model output per microbatch where the last stage runs. Keeps an
         autograd graph only when grad mode is enabled in the caller."""
+
+
+def merge_outputs(outputs: Sequence[Any]) -> Any:
+    """The microbatches' outputs as one batch's. The last stage's process may not hold the
+    inputs: the microbatches' row counts come from the outputs' batch dim when they have one
+    (else equal shares)."""
+    rows = [_rows(out) for out in outputs]
+    total = sum(rows)
+    weights = [r / total for r in rows] if all(rows) else None
+    return merge_microbatches(outputs, weights)
 
 
 def _rows(output: Any) -> int:

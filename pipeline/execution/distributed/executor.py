@@ -257,6 +257,17 @@ class DistributedExecutor(Executor):
             self.context.wait_work(work, None, "the inf/NaN gradient check")
         return flag
 
+    def share_loss(self, loss: Tensor | None) -> Tensor:
+        """The last stage's loss on every process, the mean over replicas: a sum over every
+        process, the others adding 0."""
+        total = torch.zeros((), dtype=torch.float64, device=self.context.device)
+        if loss is not None:
+            total += loss.to(self.context.device, torch.float64)
+        with self.context.guard("sharing of the evaluation loss"):
+            work = dist.all_reduce(total, async_op=True)
+            self.context.wait_work(work, None, "the evaluation loss")
+        return total / self.layout.data_parallel
+
     # -- running ----------------------------------------------------------------------------------
 
     def _run_step(
