@@ -57,7 +57,7 @@ def main() -> None:
         print(f"world {world}: {min(times):.2f} s (worst {max(times):.2f} s)\n{tables[world]}")
     meta = {
         "python": platform.python_version(), "torch": torch.__version__,
-        "machine": platform.machine(), "graph_nodes": len(graph.graph["order"]),
+        "machine": platform.machine(), "graph_nodes": len(graph.order),
         "memory_limit": limit, "samples_per_rank": SAMPLES_PER_RANK, "repeats": REPEATS,
     }
     lines = [

@@ -163,10 +163,10 @@ def measure(name: str) -> dict[str, Any]:
         "model": description,
         "parameters": sum(p.numel() for p in model.parameters()),
         "aten_nodes": sum(
-            1 for n in graph.graph["graph_module"].graph.nodes if n.op == "call_function"
+            1 for n in graph.graph_module.graph.nodes if n.op == "call_function"
         ),
-        "units": len(graph.graph["order"]),
-        "profiled_units": len(graph.graph["order"]) - len(plan.shared),
+        "units": len(graph.order),
+        "profiled_units": len(graph.order) - len(plan.shared),
         "dynamic_dims": plan.dynamic_dims,
         "capture_s": t_capture,
         "profile_s": t_profile,

@@ -147,7 +147,7 @@ def _estimate_vs_profile(name: str, build: Any, batch: dict[str, torch.Tensor]) 
     meta_batch = {k: v.to("meta") for k, v in batch.items()}
     estimated = capture(model, (), meta_batch)
     estimate(estimated, tuple(batch.values()))
-    if estimated.graph["order"] != profiled.graph["order"]:
+    if estimated.order != profiled.order:
         raise SystemExit(f"{name}: the meta and CPU captures differ; cannot compare")
     by_profile = partition(profiled, 4, "profile")
     by_estimate = partition(estimated, 4, "profile")
@@ -156,7 +156,7 @@ def _estimate_vs_profile(name: str, build: Any, batch: dict[str, torch.Tensor]) 
     prof_total = sum(by_profile.stage_costs)
     return {
         "model": name,
-        "nodes": len(profiled.graph["order"]),
+        "nodes": len(profiled.order),
         "profile_sizes": by_profile.sizes,
         "estimate_sizes": by_estimate.sizes,
         "estimated_share": [c / est_total for c in by_estimate.stage_costs],

@@ -62,7 +62,7 @@ def main() -> None:
     recorder.after_step = record  # type: ignore[method-assign]
     fresh = FlopCount()
     planned = pipe._setup.made
-    fresh.snapshot(planned.graph.graph["graph_module"], planned.example)
+    fresh.snapshot(planned.captured.graph_module, planned.example)
     start = time.perf_counter()
     fresh.per_unit()
     count_s = time.perf_counter() - start

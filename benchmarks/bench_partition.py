@@ -19,13 +19,12 @@ import statistics
 import time
 from typing import Any
 
-import networkx as nx
 import torch
 import torchvision
 from report import write_results
 from torch import nn
 
-from partitioner import Plan, capture, partition, partition_chain, profile, split_model
+from partitioner import Captured, Plan, capture, partition, partition_chain, profile, split_model
 from partitioner.solver import block_partition
 from pipeline.app.models import GPT, mlp_stack, skewed_model
 
@@ -46,10 +45,10 @@ def models() -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...]]]:
     ]
 
 
-def block_plan(graph: nx.DiGraph, stages: int) -> Plan:
+def block_plan(graph: Captured, stages: int) -> Plan:
     """torchgpipe-style block partition of the profiled costs. Its cuts may land where a
     non-tensor crosses (e.g. GPT's idx.size(1)); such a cut is moved one node later."""
-    order = graph.graph["order"]
+    order = graph.order
     costs = [graph.nodes[v]["forward_time"] + graph.nodes[v]["backward_time"] for v in order]
     sizes = block_partition(costs, stages)
     for _ in range(len(order)):
@@ -64,7 +63,7 @@ def block_plan(graph: nx.DiGraph, stages: int) -> Plan:
     raise RuntimeError("no valid block partition found")
 
 
-def measured_bottleneck(graph: nx.DiGraph, plan: Plan, inputs: tuple[torch.Tensor, ...]) -> float:
+def measured_bottleneck(graph: Captured, plan: Plan, inputs: tuple[torch.Tensor, ...]) -> float:
     """Run each stage module of `plan` forward + backward on its real inputs (median of 5) and
     return the slowest stage's time: what the prediction claims to rank."""
     values: tuple[Any, ...] = inputs
@@ -131,7 +130,7 @@ def timing_2000_nodes() -> dict[str, Any]:
     model = mlp_stack(400, 8)
     graph = capture(model, (torch.randn(2, 8),))
     rng = random.Random(0)
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v]["forward_time"] = rng.uniform(1e-5, 1e-3)
         graph.nodes[v]["backward_time"] = rng.uniform(1e-5, 2e-3)
     costs = [rng.uniform(0, 1) for _ in range(2000)]

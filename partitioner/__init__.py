@@ -1,8 +1,9 @@
-"""partitioner: capture a model as a networkx graph (torch.export, grouped by module; or
-torch.fx), profile it unit by unit, split it into balanced pipeline stages (exact min-max over a
-topological order) and build the stage modules."""
+"""partitioner: capture a model as a `Captured` record of units (torch.export, grouped by
+module; or torch.fx), profile it unit by unit, split it into balanced pipeline stages (exact
+min-max over a topological order) and build the stage modules."""
 
 from partitioner.capture import CaptureError, capture
+from partitioner.captured import Captured
 from partitioner.plan import Plan, partition
 from partitioner.profile import profile
 from partitioner.solver import partition_chain
@@ -10,6 +11,7 @@ from partitioner.split import StageModule, split_model
 
 __all__ = [
     "CaptureError",
+    "Captured",
     "Plan",
     "StageModule",
     "capture",

@@ -1,9 +1,10 @@
-"""Capture a model as a networkx graph of units: export it with torch.export (non-strict; the
+"""Capture a model as a `Captured` record of units: export it with torch.export (non-strict; the
 default) and group its aten nodes by module, or trace it with torch.fx (fallback, or for
 sequential models take its top-level children in order); propagate shapes on the example input
 and record per unit its output shape/dtype/bytes and parameter bytes, per edge the bytes it
-moves. Either way the graph's units are runs of nodes of one flat fx graph over the model's own
-parameters, which `split_model` cuts into stages."""
+moves. Each way is a front end in `FRONT_ENDS`; all return the same record, whose units are runs
+of nodes of one flat fx graph over the model's own parameters, which `split_model` cuts into
+stages."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ import inspect
 import logging
 import math
 import operator
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import optimization_hint
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten
 
+from partitioner.captured import Captured, Method, Value
 from partitioner.exported import (
+    Unflatten,
     export_flat,
     group_units,
     is_symbolic,
@@ -48,8 +52,10 @@ from partitioner.traced import (
 )
 
 __all__ = [
+    "FRONT_ENDS",
     "METHODS",
     "CaptureError",
+    "Captured",
     "aliases",
     "call_structure",
     "capture",
@@ -167,6 +173,72 @@ def _first_lines(exc: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+@dataclass(frozen=True)
+class _Request:
+    """What a front end captures: the model called as ``model(*args, **kwargs)``, its leaf
+    modules (`rule` says which modules an export unit takes whole), and the (flat input
+    index, dim) pairs to make dynamic."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    leaf_modules: tuple[type, ...] | None
+    rule: Callable[[nn.Module], bool]
+    dynamic_dims: Collection[tuple[int, int]]
+
+
+def _export(request: _Request) -> Captured:
+    """torch.export (non-strict), its aten nodes grouped into units by module call."""
+    model = request.model
+    try:
+        with _no_cache(model):
+            exported = export_flat(model, request.args, request.kwargs, request.dynamic_dims)
+        units = group_units(exported.gm, model, request.rule)
+    except CaptureError:
+        raise
+    except Exception as exc:  # export raises many kinds
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {_first_lines(exc)}"
+        ) from exc
+    gm = exported.gm
+    meta = _exported_meta(gm)
+    return _record(
+        request, gm, units, "export", meta if meta is not None else _run_meta(request, gm),
+        in_spec=exported.in_spec, ranges=exported.ranges, non_persistent=exported.non_persistent,
+    )
+
+
+def _fx(request: _Request) -> Captured:
+    """torch.fx: one unit per fx node, leaf modules called whole."""
+    return _traced(request, trace(request.model, request.leaf_modules), "fx")
+
+
+def _sequential(request: _Request) -> Captured:
+    """An nn.Sequential's top-level children as a chain."""
+    gm = sequential_graph_module(request.model)
+    if request.kwargs:
+        raise ValueError("a sequential model takes one positional input, not keywords")
+    return _traced(request, gm, "sequential")
+
+
+def _traced(request: _Request, gm: fx.GraphModule, method: Method) -> Captured:
+    bind_kwargs(gm, len(request.args), request.kwargs)
+    return _record(
+        request, gm, fx_units(gm), method, _run_meta(request, gm),
+        in_spec=tree_flatten((request.args, request.kwargs))[1], ranges={},
+        non_persistent=non_persistent_buffers(request.model),
+    )
+
+
+# The capture front ends: each returns the same record, or raises CaptureError to let the
+# next one try.
+FRONT_ENDS: dict[str, Callable[[_Request], Captured]] = {
+    "export": _export,
+    "fx": _fx,
+    "sequential": _sequential,
+}
+
+
 def capture(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
@@ -176,13 +248,13 @@ def capture(
     sequential: bool = False,
     method: str = "auto",
     dynamic_dims: Collection[tuple[int, int]] = (),
-) -> nx.DiGraph:
-    """Capture `model` called as ``model(*example_inputs, **example_kwargs)`` as a DiGraph of
-    units in execution order.
+) -> Captured:
+    """Capture `model` called as ``model(*example_inputs, **example_kwargs)`` as units in
+    execution order (a `Captured`; its docstring is the record's contract).
 
     method "export" exports it with torch.export (non-strict; dim 0, the batch, of every
     input dynamic where the model allows, and the (flat input index, dim) pairs of
-    `dynamic_dims`; every other dim static: see graph.graph["input_dims"]) and groups the aten
+    `dynamic_dims`; every other dim static: see `Captured.input_dims`) and groups the aten
     nodes into units by module call: the ops of one leaf module call (see `is_default_leaf`,
     or `leaf_modules`) form a unit, and so does each run of other ops of one module call; a
     module called several times (a shared layer) gives one unit per call. "fx" traces it
@@ -191,19 +263,24 @@ def capture(
     given), and raises CaptureError naming each failure.
     `sequential=True` (or an nn.Sequential nothing else captures) takes the top-level
     children as a chain.
-
-    The graph's units are runs of nodes of one flat fx graph, graph.graph["graph_module"], that
-    reads the model's own parameters and buffers (tied ones under each name); `split_model`
-    cuts it. Placeholders and the output are not units; their names are in graph.graph
-    ["inputs"] (the flat leaves of (args, kwargs), structure graph.graph["in_spec"]) and
-    graph.graph["output"]. Unit attrs: name, op (call_module for a module's unit, as fx's for
-    its nodes), target (the module's path, as fx's call_module, or the first op), module
-    (path), members (flat node names), shape, dtype, bytes and tensor (of the values it hands
-    on; shape/dtype of the last), param_bytes (of every parameter it reads, so a shared
-    layer's at each call), index (position in the order). Edge attr:
-    bytes. graph.graph["unit_module"] runs unit by unit (for the profiler).
     The example run happens in a sandbox: parameters, buffers, .training and RNG are unchanged.
     """
+    _check_arguments(model, example_inputs, example_kwargs, leaf_modules, method)
+    kwargs = dict(example_kwargs or {})
+    _check_keywords(model, kwargs)
+    request = _Request(
+        model, example_inputs, kwargs, leaf_modules,
+        is_default_leaf if leaf_modules is None else leaf_rule(leaf_modules), dynamic_dims,
+    )
+    if sequential:
+        return _sequential(request)
+    return _first_that_captures(request, _attempts(method, leaf_modules))
+
+
+def _check_arguments(
+    model: object, example_inputs: object, example_kwargs: object,
+    leaf_modules: tuple[type, ...] | None, method: str,
+) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
@@ -220,62 +297,43 @@ def capture(
         raise TypeError(f"leaf_modules must be a tuple of module classes, got {leaf_modules!r}")
     if method not in METHODS:
         raise ValueError(f"unknown capture method {method!r}; use one of {', '.join(METHODS)}")
-    kwargs = dict(example_kwargs or {})
-    _check_keywords(model, kwargs)
-    in_spec = tree_flatten((example_inputs, kwargs))[1]
-    ranges: dict[Any, tuple[int, float]] = {}
-    non_persistent = non_persistent_buffers(model)
-    gm: fx.GraphModule | None = None
-    units: list[tuple[str, list[str]]] = []
-    rule = is_default_leaf if leaf_modules is None else leaf_rule(leaf_modules)
-    front = "sequential"
-    if sequential:
-        gm = sequential_graph_module(model)
-        fronts: list[str] = []
-    elif method == "auto":
-        # Explicit leaf modules are fx's idea (called whole, their Python run as written).
-        fronts = ["export", "fx"] if leaf_modules is None else ["fx", "export"]
-    else:
-        fronts = [method]
+
+
+def _attempts(method: str, leaf_modules: tuple[type, ...] | None) -> list[str]:
+    """The front ends to try, in order."""
+    if method != "auto":
+        return [method]
+    # Explicit leaf modules are fx's idea (called whole, their Python run as written).
+    return ["export", "fx"] if leaf_modules is None else ["fx", "export"]
+
+
+def _first_that_captures(request: _Request, attempts: list[str]) -> Captured:
+    """The record of the first front end in `attempts` that captures the model; else the
+    sequential one for an nn.Sequential, else CaptureError naming every failure."""
+    model = request.model
     failures: list[str] = []
-    for front in fronts:
+    for name in attempts:
         try:
-            if front == "export":
-                with _no_cache(model):
-                    exported = export_flat(model, example_inputs, kwargs, dynamic_dims)
-                gm, in_spec, ranges = exported.gm, exported.in_spec, exported.ranges
-                non_persistent = exported.non_persistent
-                units = group_units(gm, model, rule)
-            else:
-                gm = trace(model, leaf_modules)
-            break
+            captured = FRONT_ENDS[name](request)
         except CaptureError as exc:
             failures.append(str(exc))
-        except Exception as exc:  # export raises many kinds
-            failures.append(
-                f"torch.export could not capture {type(model).__name__}: {_first_lines(exc)}"
-            )
-    if gm is None:
-        if not isinstance(model, nn.Sequential):
-            hint = " Try method='fx'." if fronts == ["export"] else ""
-            raise CaptureError("; then ".join(failures) + hint)
-        gm, front = sequential_graph_module(model), "sequential"
-    if front == "fx" and failures:
-        log.warning("hybridpipe: captured %s with torch.fx instead: %s", type(model).__name__,
-                    failures[0])
-    if front != "export":
-        if kwargs and front == "sequential":
-            raise ValueError("a sequential model takes one positional input, not keywords")
-        bind_kwargs(gm, len(example_inputs), kwargs)
-        units = fx_units(gm)
-    meta = _exported_meta(gm) if front == "export" else None
-    if meta is None:
-        recorder = _Recorder(gm)
-        with sandbox(model), torch.no_grad():
-            recorder.run(*tree_flatten((example_inputs, kwargs))[0])
-        meta = recorder.meta
-    bases = _unit_bases(model, units, front, rule)
-    return _build(model, gm, units, bases, meta, front, in_spec, ranges, non_persistent)
+            continue
+        if name == "fx" and failures:
+            log.warning("hybridpipe: captured %s with torch.fx instead: %s",
+                        type(model).__name__, failures[0])
+        return captured
+    if isinstance(model, nn.Sequential):
+        return _sequential(request)
+    hint = " Try method='fx'." if attempts == ["export"] else ""
+    raise CaptureError("; then ".join(failures) + hint)
+
+
+def _run_meta(request: _Request, gm: fx.GraphModule) -> dict[str, dict[str, Any]]:
+    """Every node's value metadata from one run of `gm` on the example (in a sandbox)."""
+    recorder = _Recorder(gm)
+    with sandbox(request.model), torch.no_grad():
+        recorder.run(*tree_flatten((request.args, request.kwargs))[0])
+    return recorder.meta
 
 
 _SYMBOLIC: dict[type, type] = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
@@ -336,26 +394,62 @@ def aliases(model: nn.Module) -> dict[str, list[str]]:
     return {n: group for group in names.values() if len(group) > 1 for n in group}
 
 
-def _build(
-    model: nn.Module,
+def _record(
+    request: _Request,
     gm: fx.GraphModule,
     units: list[tuple[str, list[str]]],
-    bases: list[str],
+    method: Method,
     meta: dict[str, dict[str, Any]],
-    front: str,
-    in_spec: Any,
+    *,
+    in_spec: TreeSpec,
     ranges: dict[Any, tuple[int, float]],
     non_persistent: set[str],
-) -> nx.DiGraph:
+) -> Captured:
+    """The record of a capture: `units` (module key, flat node names) of `gm`, and `meta`,
+    every node's value on the example."""
+    model = request.model
     if not units:
         raise ValueError(f"{type(model).__name__} has no operations to partition")
-    nodes = {n.name: n for n in gm.graph.nodes}
+    bases = _unit_bases(model, units, method, request.rule)
     units_gm, names = unit_module(gm, units, bases)
     unit_of = {m: i for i, (_, members) in enumerate(units) for m in members}
-    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    # Symbolic sizes are re-derived in each stage, never sent (see exported.SymLookup).
-    recompute = {n.name for n in gm.graph.nodes if is_symbolic(n)}
+    structured = isinstance(gm.graph._codegen, Unflatten)
+    return Captured(
+        graph=_unit_graph(gm, units, names, meta, unit_of, exported=method == "export"),
+        model=model,
+        method=method,
+        graph_module=gm,
+        unit_module=units_gm,
+        order=tuple(names),
+        inputs=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        output=output.name,
+        in_spec=in_spec,
+        out_spec=gm._out_spec if structured else None,
+        input_dims=tuple(input_dims(gm)),
+        ranges=ranges,
+        values={name: Value(v["shape"], v["dtype"], v["bytes"], v["tensor"])
+                for name, v in meta.items()},
+        unit_of=unit_of,
+        # Symbolic sizes are re-derived in each stage, never sent (see exported.SymLookup).
+        recompute=frozenset(n.name for n in gm.graph.nodes if is_symbolic(n)),
+        non_persistent=frozenset(non_persistent),
+        aliases=aliases(model),
+        training=modes(model) if method == "export" and mode_sensitive(gm) else None,
+    )
+
+
+def _unit_graph(
+    gm: fx.GraphModule,
+    units: list[tuple[str, list[str]]],
+    names: list[str],
+    meta: dict[str, dict[str, Any]],
+    unit_of: dict[str, int],
+    *,
+    exported: bool,
+) -> nx.DiGraph:
+    """One node per unit with its attributes (see `Captured`), one edge per unit it feeds."""
+    nodes = {n.name: n for n in gm.graph.nodes}
     graph = nx.DiGraph()
     for i, (key, members) in enumerate(units):
         handed = [
@@ -367,7 +461,7 @@ def _build(
             )
         ]
         last = meta[(handed or members)[-1]]
-        single = members[0] if front != "export" else None
+        single = members[0] if not exported else None
         target = _target_name(nodes[members[0]]) if single or not key else key
         op = nodes[single].op if single else ("call_module" if key else "call_function")
         graph.add_node(
@@ -392,25 +486,4 @@ def _build(
                     edge = graph.edges.get((names[i], names[j]))
                     size = meta[m]["bytes"] + (edge["bytes"] if edge else 0)
                     graph.add_edge(names[i], names[j], bytes=size)
-    graph.graph.update(
-        module=model,
-        graph_module=gm,
-        unit_module=units_gm,
-        front=front,
-        inputs=inputs,
-        input_meta={name: meta[name] for name in inputs},
-        value_meta={name: {"bytes": v["bytes"], "tensor": v["tensor"]} for name, v in meta.items()},
-        unit_of=unit_of,
-        recompute=recompute,
-        output=output.name,
-        order=names,
-        in_spec=in_spec,
-        input_dims=input_dims(gm),
-        ranges=ranges,
-        non_persistent=non_persistent,
-        aliases=aliases(model),
-        training=modes(model) if front == "export" and mode_sensitive(gm) else None,
-    )
     return graph
-
-

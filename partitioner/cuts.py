@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
-from torch import fx
+
+from partitioner.captured import Captured
 
 
 @dataclass(frozen=True)
@@ -23,29 +23,24 @@ class Span:
     tensor: bool
 
 
-def spans(graph: nx.DiGraph) -> list[Span]:
+def spans(captured: Captured) -> list[Span]:
     """Live ranges, over the graph's units, of every value that would have to be sent across
     a cut, in definition order. get_attr values (parameters, constants) are re-read and
     symbolic sizes re-derived by each stage that uses them, so they never cross; values used
     only inside their own unit never cross either."""
-    gm: fx.GraphModule = graph.graph["graph_module"]
-    n = len(graph.graph["order"])
-    meta = graph.graph["value_meta"]
-    unit_of: dict[str, int] = graph.graph["unit_of"]
-    recompute: set[str] = graph.graph["recompute"]
+    n = len(captured.order)
+    unit_of = captured.unit_of
     result: list[Span] = []
-    for node in gm.graph.nodes:
-        if node.op in ("output", "get_attr") or node.name in recompute:
+    for node in captured.graph_module.graph.nodes:
+        if node.op in ("output", "get_attr") or node.name in captured.recompute:
             continue
         start = -1 if node.op == "placeholder" else unit_of[node.name]
         uses = [
             n if u.op == "output" else unit_of[u.name] for u in node.users if u.name in unit_of
             or u.op == "output"
         ]
-        value = meta[node.name]
-        result.append(
-            Span(node.name, start, max(uses, default=start), value["bytes"], value["tensor"])
-        )
+        value = captured.values[node.name]
+        result.append(Span(node.name, start, max(uses, default=start), value.bytes, value.tensor))
     return result
 
 

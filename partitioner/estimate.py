@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from partitioner.captured import Captured
 from partitioner.probe import probe
 
 # (FLOP/s, bytes/s) per device type: the balance depends on their ratio only.
@@ -105,7 +105,7 @@ class _Estimator(fx.Interpreter):
 
 
 def estimate(
-    graph: nx.DiGraph,
+    captured: Captured,
     example_inputs: tuple[Any, ...],
     *,
     device: str | torch.device = "cpu",
@@ -114,8 +114,8 @@ def estimate(
     """Add estimated forward_time, backward_time, input_grad_time, weight_grad_time (s),
     activation_bytes, forward_flops and backward_flops to every node of a `capture`d graph,
     running it on meta tensors (the model may be on meta: nothing is allocated). `rates`:
-    (FLOP/s, bytes/s), by default `RATES` for the device type. Marks the graph
-    ``graph.graph["costs"] = "estimate"``."""
+    (FLOP/s, bytes/s), by default `RATES` for the device type. Marks every node
+    ``cost_source="estimate"``."""
     if not isinstance(example_inputs, tuple):
         raise TypeError(
             f"example_inputs must be a tuple, got {type(example_inputs).__name__}; wrap as (x,)"
@@ -124,7 +124,7 @@ def estimate(
     chosen = rates if rates is not None else RATES.get(kind, RATES["cpu"])
     if min(chosen) <= 0:
         raise ValueError(f"rates must be positive (FLOP/s, bytes/s), got {chosen!r}")
-    gm: fx.GraphModule = graph.graph["unit_module"]
+    gm = captured.unit_module
     if any(not p.is_meta for p in gm.parameters()):
         raise ValueError(
             "estimate runs on a model built on the meta device; profile a real model with "
@@ -133,5 +133,4 @@ def estimate(
     estimator = _Estimator(gm, chosen)
     estimator.run(*_meta(example_inputs))
     for name, stats in estimator.results.items():
-        graph.nodes[name].update(stats)
-    graph.graph["costs"] = "estimate"
+        captured.nodes[name].update(stats, cost_source="estimate")

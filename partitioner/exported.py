@@ -166,7 +166,7 @@ def export_flat(
     return Exported(gm, in_spec, ranges, non_persistent)
 
 
-def mark_non_persistent(module: nn.Module, names: set[str]) -> None:
+def mark_non_persistent(module: nn.Module, names: Collection[str]) -> None:
     """fx registers every tensor attribute as a persistent buffer: keep the model's
     non-persistent buffers (and lifted constants) out of this module's state_dict."""
     for name in names:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
+
+from partitioner.captured import Captured
 
 
 def call_structure(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -45,13 +46,12 @@ def mode_sensitive(gm: fx.GraphModule) -> bool:
     return False
 
 
-def check_mode(graph: nx.DiGraph) -> None:
+def check_mode(captured: Captured) -> None:
     """ValueError when the model's train/eval mode changed since an export capture that baked
     it in (dropout, BatchNorm), instead of silently running the old mode."""
-    captured = graph.graph.get("training")
-    model = graph.graph["module"]
-    if captured is not None and modes(model) != captured:
-        was = "train" if captured[0] else "eval"
+    baked, model = captured.training, captured.model
+    if baked is not None and modes(model) != baked:
+        was = "train" if baked[0] else "eval"
         raise ValueError(
             f"{type(model).__name__} was captured in {was} mode and torch.export baked that "
             f"mode into its dropout/normalisation ops, but its modules' modes changed since; "
@@ -77,12 +77,11 @@ def input_dims(gm: fx.GraphModule) -> list[tuple[Any, ...] | None]:
     return dims
 
 
-def check_inputs(graph: nx.DiGraph, leaves: Sequence[Any], what: str = "inputs") -> None:
+def check_inputs(captured: Captured, leaves: Sequence[Any], what: str = "inputs") -> None:
     """ValueError, before anything runs, when a microbatch's input shapes cannot run on the
     captured graph: a static dim differs, or a dynamic one leaves its range or breaks an
     equality the capture found (e.g. two inputs sharing a sequence length)."""
-    dims: list[tuple[Any, ...] | None] = graph.graph.get("input_dims", [])
-    names: list[str] = graph.graph["inputs"]
+    dims, names = captured.input_dims, captured.inputs
     if len(leaves) != len(names):
         raise ValueError(
             f"{what} have {len(leaves)} tensors but the model was captured with {len(names)} "
@@ -114,7 +113,7 @@ def check_inputs(graph: nx.DiGraph, leaves: Sequence[Any], what: str = "inputs")
                         f"equal to another input's size {bound[w]}; keep those sizes equal"
                     )
                 bound[w] = int(got)
-                low, high = graph.graph["ranges"].get(w, (0, float("inf")))
+                low, high = captured.ranges.get(w, (0, float("inf")))
                 # export assumes dynamic sizes >= 2 (it specialises 0 and 1); the graph's ops
                 # are the same for 1, so only a bound the model's code set is enforced.
                 if not (1 if low == 2 else low) <= got <= high:

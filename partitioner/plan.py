@@ -1,4 +1,4 @@
-"""Partition a captured graph into pipeline stages and describe the result as a `Plan`.
+"""Partition a captured model into pipeline stages and describe the result as a `Plan`.
 
 Stages are contiguous segments of the graph's topological order, so every stage is a valid
 sub-module and every cut is a set of tensors. The objective per stage is compute (forward +
@@ -10,13 +10,13 @@ memory cap of parameters x optimizer_factor + activations x in-flight microbatch
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
+from partitioner.captured import Captured
 from partitioner.cuts import cut_arrays, spans
 from partitioner.solver import check_stages, evenly, min_max_partition
 
@@ -117,15 +117,92 @@ def _per_stage(value: object, stages: int, name: str, default: float | None) -> 
     )
 
 
-def _node_array(graph: nx.DiGraph, order: list[str], key: str, fallback: str | None) -> np.ndarray:
-    nodes = graph.nodes
+class _CostModel:
+    """The objective of one partition problem over a captured graph's order: per-unit compute,
+    parameters and activations (prefix sums, so a stage's total is one subtraction), per-cut
+    transfer and barrier (infinite where a non-tensor value crosses), and per-stage speed,
+    memory cap and in-flight microbatches. Stage k spans positions [start, end)."""
+
+    def __init__(
+        self,
+        captured: Captured,
+        p: int,
+        *,
+        speeds: np.ndarray,
+        bandwidth: float | None,
+        latency: float,
+        caps: np.ndarray,
+        flights: np.ndarray,
+        optimizer_factor: float,
+    ) -> None:
+        order = captured.order
+        n = len(order)
+        self.n, self.p, self.order = n, p, order
+        self.speeds, self.caps, self.flights = speeds, caps, flights
+        self.optimizer_factor = optimizer_factor
+        self.fwd = _node_array(captured, "forward_time", None)
+        self.bwd = _node_array(captured, "backward_time", None)
+        self.params = _node_array(captured, "param_bytes", None)
+        acts = _node_array(captured, "activation_bytes", "bytes")
+        self.compute = self.fwd + self.bwd
+        self.cut_size, self.cut_ok = cut_arrays(spans(captured), n)
+        transfer = self.cut_size / bandwidth if bandwidth is not None else np.zeros(n + 1)
+        self.transfer = np.where(self.cut_size > 0, transfer + latency, 0.0)
+        self.transfer[0] = self.transfer[n] = 0.0  # the model's inputs and output go nowhere
+        # Only cut where everything crossing is a tensor: other cuts cost infinity.
+        self.barrier = np.where(self.cut_ok, 0.0, np.inf)
+        self.barrier[0] = self.barrier[n] = 0.0
+        self.prefix = {
+            "compute": np.concatenate(([0.0], np.cumsum(self.compute))),
+            "params": np.concatenate(([0.0], np.cumsum(self.params))),
+            "acts": np.concatenate(([0.0], np.cumsum(acts))),
+            "count": np.arange(n + 1, dtype=np.float64),
+        }
+
+    def memory(self, k: int, end: int, starts: np.ndarray) -> np.ndarray:
+        """Bytes stage k holds when it spans [start, end), for each start in `starts`."""
+        held_params = self.prefix["params"][end] - self.prefix["params"][starts]
+        held_acts = self.prefix["acts"][end] - self.prefix["acts"][starts]
+        return held_params * self.optimizer_factor + held_acts * self.flights[k]
+
+    def objective(self, key: str, with_transfer: bool, with_memory: bool) -> Cost:
+        """The stage cost `min_max_partition` minimises the maximum of: the `key` total
+        (compute over the stage's speed), plus the transfers at both ends if `with_transfer`,
+        infinite over the memory cap if `with_memory`."""
+
+        def cost(k: int, end: int, starts: np.ndarray) -> np.ndarray:
+            value = self.prefix[key][end] - self.prefix[key][starts]
+            if key == "compute":
+                value = value / self.speeds[k]
+            value = value + self.barrier[starts] + self.barrier[end]
+            if with_transfer:
+                value = value + self.transfer[starts] + self.transfer[end]
+            if with_memory:
+                value = np.where(self.memory(k, end, starts) > self.caps[k], np.inf, value)
+            return value
+
+        return cost
+
+    def stage_memory(self, sizes: list[int]) -> list[float]:
+        bounds = np.cumsum([0, *sizes])
+        return [
+            float(self.memory(k, int(bounds[k + 1]), np.array([bounds[k]]))[0])
+            for k in range(len(sizes))
+        ]
+
+
+Cost = Callable[[int, int, np.ndarray], np.ndarray]
+
+
+def _node_array(captured: Captured, key: str, fallback: str | None) -> np.ndarray:
+    nodes = captured.nodes
     if fallback is None:
-        return np.array([float(nodes[v].get(key, 0.0)) for v in order])
-    return np.array([float(nodes[v].get(key, nodes[v][fallback])) for v in order])
+        return np.array([float(nodes[v].get(key, 0.0)) for v in captured.order])
+    return np.array([float(nodes[v].get(key, nodes[v][fallback])) for v in captured.order])
 
 
 def partition(
-    graph: nx.DiGraph,
+    captured: Captured,
     stages: int,
     balance: str | Sequence[int] = "profile",
     *,
@@ -136,7 +213,7 @@ def partition(
     inflight: int | Sequence[int] | None = None,
     optimizer_factor: float = 4.0,
 ) -> Plan:
-    """Split a captured (and, for balance="profile", profiled) graph into `stages` stages.
+    """Split a captured (and, for balance="profile", profiled) model into `stages` stages.
 
     balance: "profile" (exact min-max of profiled time plus transfer), "parameters" (min-max of
     parameter bytes), "uniform" (equal node counts) or an explicit list of node counts per stage.
@@ -145,9 +222,28 @@ def partition(
     (a number or one per stage); memory = parameter bytes x optimizer_factor (default 4: weights,
     grads and Adam's two moments) + activation bytes x inflight (default p - k, as in 1F1B).
     """
-    order: list[str] = graph.graph["order"]
-    n = len(order)
-    p = check_stages(stages, n)
+    p = check_stages(stages, len(captured.order))
+    speeds, caps, flights = _settings(p, device_speeds, bandwidth, latency, memory_cap, inflight)
+    model = _CostModel(
+        captured, p, speeds=speeds, bandwidth=bandwidth, latency=latency, caps=caps,
+        flights=flights, optimizer_factor=optimizer_factor,
+    )
+    capped = memory_cap is not None
+    if isinstance(balance, str):
+        method = _method(captured, balance)
+        sizes = _balanced(model, balance, capped)
+    else:
+        method = "explicit"
+        sizes = _explicit(model, balance, capped)
+    return _plan(captured, model, sizes, method)
+
+
+def _settings(
+    p: int, device_speeds: Sequence[float] | None, bandwidth: float | None, latency: float,
+    memory_cap: float | Sequence[float] | None, inflight: int | Sequence[int] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The per-stage speeds, memory caps and in-flight microbatches (ValueError naming a bad
+    setting)."""
     speeds = _per_stage(device_speeds, p, "device_speeds", 1.0)
     if np.any(speeds <= 0):
         raise ValueError(f"device_speeds must all be > 0, got {list(speeds)}")
@@ -163,132 +259,95 @@ def partition(
         if inflight is None
         else _per_stage(inflight, p, "inflight", None)
     )
+    return speeds, caps, flights
 
-    profiled = all("forward_time" in graph.nodes[v] for v in order)
-    fwd = _node_array(graph, order, "forward_time", None)
-    bwd = _node_array(graph, order, "backward_time", None)
-    params = _node_array(graph, order, "param_bytes", None)
-    acts = _node_array(graph, order, "activation_bytes", "bytes")
-    compute = fwd + bwd
 
-    cut_size, cut_ok = cut_arrays(spans(graph), n)
-    transfer = cut_size / bandwidth if bandwidth is not None else np.zeros(n + 1)
-    transfer = np.where(cut_size > 0, transfer + latency, 0.0)
-    transfer[0] = transfer[n] = 0.0  # the model's inputs and output are not sent anywhere
-    # Only cut where everything crossing is a tensor: other cuts cost infinity.
-    barrier = np.where(cut_ok, 0.0, np.inf)
-    barrier[0] = barrier[n] = 0.0
+def _method(captured: Captured, balance: str) -> str:
+    """The Plan's name for `balance` (ValueError for an unknown one, or "profile" on a model
+    not profiled)."""
+    if balance not in METHODS:
+        raise ValueError(
+            f"unknown balance {balance!r}; use one of {', '.join(METHODS)} or a list of "
+            f"node counts per stage"
+        )
+    if balance != "profile":
+        return balance
+    if not captured.profiled:
+        raise ValueError(
+            "balance='profile' needs forward/backward times on the graph: call "
+            "partitioner.profile(captured, model, example_inputs) first, or use "
+            "balance='parameters' or 'uniform'"
+        )
+    if any(captured.nodes[v].get("cost_source") == "estimate" for v in captured.order):
+        return "profile, estimated on meta: FLOPs + bytes"
+    return balance
 
-    prefix = {
-        "compute": np.concatenate(([0.0], np.cumsum(compute))),
-        "params": np.concatenate(([0.0], np.cumsum(params))),
-        "acts": np.concatenate(([0.0], np.cumsum(acts))),
-        "count": np.arange(n + 1, dtype=np.float64),
-    }
 
-    def memory(k: int, end: int, starts: np.ndarray) -> np.ndarray:
-        held_params = prefix["params"][end] - prefix["params"][starts]
-        held_acts = prefix["acts"][end] - prefix["acts"][starts]
-        return held_params * optimizer_factor + held_acts * flights[k]
+def _balanced(model: _CostModel, balance: str, capped: bool) -> list[int]:
+    """Stage sizes minimising the largest stage's `balance` cost (even counts for "uniform"
+    where those cuts are allowed)."""
+    n, p = model.n, model.p
+    even = evenly(n, p)
+    if balance == "uniform" and all(np.isfinite(model.barrier[np.cumsum(even)])):
+        if capped and _over_cap(model, even):
+            _explain_infeasible(model)
+        return even
+    key = {"profile": "compute", "parameters": "params", "uniform": "count"}[balance]
+    sizes, bottleneck = min_max_partition(
+        n, p, model.objective(key, balance == "profile", capped)
+    )
+    if not math.isfinite(bottleneck):
+        _explain_infeasible(model)
+    return sizes
 
-    def objective(key: str, with_transfer: bool, with_memory: bool) -> Any:
-        def cost(k: int, end: int, starts: np.ndarray) -> np.ndarray:
-            value = prefix[key][end] - prefix[key][starts]
-            if key == "compute":
-                value = value / speeds[k]
-            value = value + barrier[starts] + barrier[end]
-            if with_transfer:
-                value = value + transfer[starts] + transfer[end]
-            if with_memory:
-                value = np.where(memory(k, end, starts) > caps[k], np.inf, value)
-            return value
 
-        return cost
-
-    method: str
-    if isinstance(balance, str):
-        if balance not in METHODS:
-            raise ValueError(
-                f"unknown balance {balance!r}; use one of {', '.join(METHODS)} or a list of "
-                f"node counts per stage"
-            )
-        method = balance
-        if balance == "profile" and graph.graph.get("costs") == "estimate":
-            method = "profile, estimated on meta: FLOPs + bytes"
-        if balance == "profile" and not profiled:
-            raise ValueError(
-                "balance='profile' needs forward/backward times on the graph: call "
-                "partitioner.profile(graph, model, example_inputs) first, or use "
-                "balance='parameters' or 'uniform'"
-            )
-        with_memory = memory_cap is not None
-        if balance == "uniform" and all(np.isfinite(barrier[np.cumsum(evenly(n, p))])):
-            sizes = evenly(n, p)
-            bottleneck = 0.0
-            if with_memory:
-                bottleneck = _check_memory_of(sizes, memory, caps)
-        else:
-            key = {"profile": "compute", "parameters": "params", "uniform": "count"}[balance]
-            sizes, bottleneck = min_max_partition(
-                n, p, objective(key, balance == "profile", with_memory)
-            )
-        if not math.isfinite(bottleneck):
-            _explain_infeasible(n, p, objective, memory, caps, barrier, cut_ok)
-    else:
-        method = "explicit"
-        sizes = _check_balance(balance, n, p)
-        bounds = np.cumsum([0, *sizes])
-        bad = [int(c) for c in bounds[1:-1] if not cut_ok[c]]
-        if bad:
-            raise ValueError(
-                f"balance {list(sizes)} cuts the graph where a non-tensor value crosses (after "
-                f"node(s) {', '.join(order[c - 1] for c in bad)}); move those cuts by a node or "
-                f"use balance='profile'"
-            )
-        if memory_cap is not None and not math.isfinite(_check_memory_of(sizes, memory, caps)):
-            _explain_over_cap(sizes, memory, caps, f"balance {sizes}")
-
+def _explicit(model: _CostModel, balance: Sequence[int], capped: bool) -> list[int]:
+    """An explicit `balance`, checked: it covers the graph, cuts only where tensors cross and
+    fits the memory caps."""
+    sizes = _check_balance(balance, model.n, model.p)
     bounds = np.cumsum([0, *sizes])
-    stage_nodes = [order[bounds[k] : bounds[k + 1]] for k in range(p)]
-    fwd_s = [float(fwd[bounds[k] : bounds[k + 1]].sum()) for k in range(p)]
-    bwd_s = [float(bwd[bounds[k] : bounds[k + 1]].sum()) for k in range(p)]
+    bad = [int(c) for c in bounds[1:-1] if not model.cut_ok[c]]
+    if bad:
+        raise ValueError(
+            f"balance {list(sizes)} cuts the graph where a non-tensor value crosses (after "
+            f"node(s) {', '.join(model.order[c - 1] for c in bad)}); move those cuts by a node "
+            f"or use balance='profile'"
+        )
+    if capped and _over_cap(model, sizes):
+        _explain_over_cap(model, sizes, f"balance {sizes}")
+    return sizes
+
+
+def _plan(captured: Captured, model: _CostModel, sizes: list[int], method: str) -> Plan:
+    """The Plan of stage `sizes`, with the cost model's figures for it."""
+    p, order, speeds, compute = model.p, captured.order, model.speeds, model.compute
+    bounds = np.cumsum([0, *sizes])
+    spans_of = [slice(int(bounds[k]), int(bounds[k + 1])) for k in range(p)]
+    fwd_s = [float(model.fwd[s].sum()) for s in spans_of]
+    bwd_s = [float(model.bwd[s].sum()) for s in spans_of]
     costs = [
         (fwd_s[k] + bwd_s[k]) / float(speeds[k])
-        + float(transfer[bounds[k]] + transfer[bounds[k + 1]])
+        + float(model.transfer[bounds[k]] + model.transfer[bounds[k + 1]])
         for k in range(p)
     ]
-    mem = [float(memory(k, int(bounds[k + 1]), np.array([bounds[k]]))[0]) for k in range(p)]
     lower = max(float(compute.sum() / speeds.sum()), float(compute.max() / speeds.max()))
     worst, mean = max(costs), sum(costs) / p
+    nodes = captured.nodes
     return Plan(
-        stages=stage_nodes,
+        stages=[list(order[s]) for s in spans_of],
         forward_times=fwd_s,
         backward_times=bwd_s,
         stage_costs=costs,
-        stage_memory=mem,
-        stage_params=[int(params[bounds[k] : bounds[k + 1]].sum()) for k in range(p)],
-        cut_bytes=[int(cut_size[c]) for c in bounds[1:-1]],
+        stage_memory=model.stage_memory(sizes),
+        stage_params=[int(model.params[s].sum()) for s in spans_of],
+        cut_bytes=[int(model.cut_size[c]) for c in bounds[1:-1]],
         imbalance=worst / mean if mean > 0 else 1.0,
         bound_ratio=worst / lower if lower > 0 else 1.0,
         lower_bound=lower,
         method=method,
-        dynamic_dims=dynamic_dims(graph),
-        shared={v: graph.nodes[v]["measured_as"] for v in order if "measured_as" in graph.nodes[v]},
+        dynamic_dims=captured.dynamic_dim_names,
+        shared={v: nodes[v]["measured_as"] for v in order if "measured_as" in nodes[v]},
     )
-
-
-def dynamic_dims(graph: nx.DiGraph) -> list[str] | None:
-    """The captured inputs' dynamic dims as "name[dim]" (None when the capture kept no
-    shapes: torch.fx)."""
-    dims: list[tuple[Any, ...] | None] = graph.graph.get("input_dims", [])
-    if all(d is None for d in dims):
-        return None
-    return [
-        f"{name}[{k}]"
-        for name, want in zip(graph.graph["inputs"], dims, strict=True)
-        for k, size in enumerate(want or ())
-        if not isinstance(size, int)
-    ]
 
 
 def _check_balance(balance: object, n: int, p: int) -> list[int]:
@@ -313,47 +372,32 @@ def _check_balance(balance: object, n: int, p: int) -> list[int]:
     return sizes
 
 
-def _check_memory_of(sizes: list[int], memory: Any, caps: np.ndarray) -> float:
-    bounds = np.cumsum([0, *sizes])
-    for k in range(len(sizes)):
-        if memory(k, int(bounds[k + 1]), np.array([bounds[k]]))[0] > caps[k]:
-            return math.inf
-    return 0.0
+def _over_cap(model: _CostModel, sizes: list[int]) -> bool:
+    return any(need > cap for need, cap in zip(model.stage_memory(sizes), model.caps, strict=True))
 
 
-def _explain_infeasible(
-    n: int,
-    p: int,
-    objective: Any,
-    memory: Any,
-    caps: np.ndarray,
-    barrier: np.ndarray,
-    cut_ok: np.ndarray,
-) -> None:
+def _explain_infeasible(model: _CostModel) -> None:
     """No finite partition exists: say whether the cuts or the memory cap are to blame."""
-    _, plain = min_max_partition(n, p, objective("count", False, False))
+    n, p = model.n, model.p
+    _, plain = min_max_partition(n, p, model.objective("count", False, False))
     if not math.isfinite(plain):
-        places = int(cut_ok[1:n].sum())
+        places = int(model.cut_ok[1:n].sum())
         raise ValueError(
             f"the graph can only be cut in {places} places (where every value crossing is a "
             f"tensor) but {p} stages need {p - 1} cuts; use stages <= {places + 1}"
         )
 
     def overrun(k: int, end: int, starts: np.ndarray) -> np.ndarray:
-        over = memory(k, end, starts) - caps[k]
-        return over + barrier[starts] + barrier[end]
+        over = model.memory(k, end, starts) - model.caps[k]
+        return over + model.barrier[starts] + model.barrier[end]
 
     sizes, _ = min_max_partition(n, p, overrun)
-    _explain_over_cap(
-        sizes, memory, caps, f"no split into {p} stages fits memory_cap: the best one"
-    )
+    _explain_over_cap(model, sizes, f"no split into {p} stages fits memory_cap: the best one")
 
 
-def _explain_over_cap(sizes: list[int], memory: Any, caps: np.ndarray, what: str) -> None:
-    p = len(sizes)
-    bounds = np.cumsum([0, *sizes])
-    needs = [float(memory(k, int(bounds[k + 1]), np.array([bounds[k]]))[0]) for k in range(p)]
-    k = int(np.argmax([needs[i] - caps[i] for i in range(p)]))
+def _explain_over_cap(model: _CostModel, sizes: list[int], what: str) -> None:
+    needs, caps = model.stage_memory(sizes), model.caps
+    k = int(np.argmax([needs[i] - caps[i] for i in range(len(sizes))]))
     over = needs[k] - caps[k]
     raise ValueError(
         f"{what} still needs {needs[k]:.0f} bytes on stage {k}, {over:.0f} bytes "

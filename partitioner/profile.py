@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from partitioner.captured import Captured
 from partitioner.exported import retarget
 from partitioner.probe import probe
 from partitioner.sandbox import Sandbox, sandbox
@@ -216,7 +216,7 @@ def _copy_to(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
 
 
 def profile(
-    graph: nx.DiGraph,
+    captured: Captured,
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...],
     *,
@@ -240,7 +240,7 @@ def profile(
             f"example_inputs must be a tuple, got {type(example_inputs).__name__}; wrap as (x,)"
         )
     target = torch.device(device)
-    gm: fx.GraphModule = graph.graph["unit_module"]  # one call_module per unit
+    gm = captured.unit_module  # one call_module per unit
     current = next((p.device for p in gm.parameters()), torch.device("cpu"))
     same = current.type == target.type and target.index in (None, current.index)
     with sandbox(model) as box:
@@ -257,4 +257,4 @@ def profile(
         )
         profiler.run(*example_inputs)
     for name, stats in profiler.results.items():
-        graph.nodes[name].update(stats)
+        captured.nodes[name].update(stats)

@@ -10,12 +10,13 @@ arbitrary pieces; building each stage's graph here gives the chain form directly
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import fx, nn
 
+from partitioner.captured import Captured
 from partitioner.cuts import live_at, spans
 from partitioner.exported import (
     SymLookup,
@@ -65,10 +66,10 @@ class StageModule(fx.GraphModule):
         return super().to(*args, **kwargs)
 
 
-def _check_plan(graph: nx.DiGraph, plan: Plan) -> list[int]:
-    order: list[str] = graph.graph["order"]
+def _check_plan(captured: Captured, plan: Plan) -> list[int]:
+    order = captured.order
     flat = [name for stage in plan.stages for name in stage]
-    if flat != order:
+    if flat != list(order):
         raise ValueError(
             "plan does not match the graph: its stages must be contiguous, non-empty segments "
             f"covering the graph's {len(order)} nodes in order (the plan covers {len(flat)}); "
@@ -127,19 +128,19 @@ def _stage_graph(
     return new
 
 
-def split_model(graph: nx.DiGraph, plan: Plan) -> list[StageModule]:
+def split_model(captured: Captured, plan: Plan) -> list[StageModule]:
     """Build the stage modules of `plan` (from `partition`) over the captured model."""
-    gm: fx.GraphModule = graph.graph["graph_module"]
-    bounds = _check_plan(graph, plan)
-    all_spans = spans(graph)
+    gm = captured.graph_module
+    bounds = _check_plan(captured, plan)
+    all_spans = spans(captured)
     nodes = {node.name: node for node in gm.graph.nodes}
-    output_node = nodes[graph.graph["output"]]
-    structured = isinstance(gm.graph._codegen, Unflatten)
-    unit_of: dict[str, int] = graph.graph["unit_of"]
+    output_node = nodes[captured.output]
+    structured = captured.out_spec is not None
+    unit_of = captured.unit_of
     flat_order = [n.name for n in gm.graph.nodes if n.name in unit_of]
     p = len(plan.stages)
     stage_modules: list[StageModule] = []
-    inputs: list[str] = list(graph.graph["inputs"])
+    inputs = list(captured.inputs)
     for k in range(p):
         crossing = live_at(all_spans, bounds[k + 1]) if k < p - 1 else []
         bad = [s.name for s in crossing if not s.tensor]
@@ -156,15 +157,15 @@ def split_model(graph: nx.DiGraph, plan: Plan) -> list[StageModule]:
         )
         stage = StageModule(gm, new, list(inputs), outputs, k)
         if last is not None and structured:
-            stage._out_spec = gm._out_spec
-        _add_aliases(stage, graph.graph["aliases"])
-        mark_non_persistent(stage, graph.graph["non_persistent"])
+            stage._out_spec = captured.out_spec
+        _add_aliases(stage, captured.aliases)
+        mark_non_persistent(stage, captured.non_persistent)
         stage_modules.append(stage)
         inputs = outputs
     return stage_modules
 
 
-def _add_aliases(stage: StageModule, names: dict[str, list[str]]) -> None:
+def _add_aliases(stage: StageModule, names: Mapping[str, list[str]]) -> None:
     """A tied weight is held under every name the model gives it, so the stage's state_dict
     has the model's own keys (named_parameters still yields it once)."""
     held: dict[str, torch.Tensor] = dict(stage.named_parameters(remove_duplicate=False))

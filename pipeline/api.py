@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
-from partitioner import Plan, StageModule
+from partitioner import Captured, Plan, StageModule
 from pipeline.elastic.layout import choose_layout
 from pipeline.execution.activations import Selective, check_policies
 from pipeline.execution.distributed import DistContext
@@ -160,7 +160,7 @@ class Pipeline:
     def _load(self, planned: Planned) -> None:
         """Give a plan to the executor with this Pipeline's (current) loss and settings."""
         # What the FLOP count needs, while this process still holds the whole model.
-        self._metrics.flop_count.snapshot(planned.graph.graph["graph_module"], planned.example)
+        self._metrics.flop_count.snapshot(planned.captured.graph_module, planned.example)
         self._executor.load(
             planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
         )
@@ -288,9 +288,16 @@ class Pipeline:
         return self._setup.planner.autoplan or self._layouts
 
     @property
+    def captured(self) -> Captured:
+        """The captured model the plan partitions (partitioner.Captured: its units, flat
+        graph module, input structure and dims, capture method)."""
+        return self._setup.require_plan().captured
+
+    @property
     def graph(self) -> nx.DiGraph:
-        """The captured (and, once profiled, annotated) graph the plan partitions."""
-        return self._setup.require_plan().graph
+        """The captured (and, once profiled, annotated) units the plan partitions, as a
+        networkx graph (`captured.graph`)."""
+        return self._setup.require_plan().captured.graph
 
     # -- as the model would: parameters, optimizers, state dicts, checkpoints, train/eval --
 

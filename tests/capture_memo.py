@@ -2,8 +2,8 @@
 Pipelines on one model object: torch.export takes seconds a call (resnet18 ~2 s, GPT-2 more
 under four processes), so the first call per (model object, input structure, options, leaf
 shapes and dtypes, autocast dtype) captures for real and every later one gets a copy of that
-graph (a networkx copy, so attributes written by profiling cannot leak from one Pipeline into
-the next). The graph reads the model's own parameters, which is why the key is the model
+record (`Captured.copy`, so attributes written by profiling cannot leak from one Pipeline into
+the next). The capture reads the model's own parameters, which is why the key is the model
 object, not its class."""
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_structure
 
 import partitioner
+from partitioner import Captured
 
-Capture = Callable[..., nx.DiGraph]
+Capture = Callable[..., Captured]
 
 
 def memo_capture() -> Capture:
-    captured: dict[tuple[Any, ...], nx.DiGraph] = {}
+    captured: dict[tuple[Any, ...], Captured] = {}
 
     def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                **options: Any) -> nx.DiGraph:
+                **options: Any) -> Captured:
         leaves = tree_leaves((args, kwargs))
         key = (id(model), str(tree_structure((args, kwargs))), repr(sorted(options.items())),
                tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves),

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
 
-from partitioner import capture
+from partitioner import Captured, capture
 from pipeline import Pipeline
 from pipeline.app.cli import main
 from pipeline.app.models import mlp_stack
@@ -21,11 +20,11 @@ from scheduler import build_schedule, simulate
 from scheduler.simulate import summarize
 
 
-def synthetic_graph() -> nx.DiGraph:
+def synthetic_graph() -> Captured:
     """8 residual blocks + read-out with fixed costs per node (profiled on 4 samples): F=1,
     B=1, W=1 s, 1000 activation bytes; parameter bytes are the real ones."""
     graph = capture(mlp_stack(blocks=8, dim=4, hidden=4), (torch.randn(4, 4),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v].update(
             forward_time=1.0, backward_time=2.0, input_grad_time=1.0, weight_grad_time=1.0,
             activation_bytes=1000.0,

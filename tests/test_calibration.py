@@ -49,7 +49,7 @@ def test_calibration_recovers_compute_overhead_and_latency(name: str) -> None:
     assert cal.overhead == pytest.approx(0.25) and cal.latency == pytest.approx(1.5)
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     graph = capture(model, (torch.randn(1, 2),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v].update(forward_time=1.0, backward_time=2.0, input_grad_time=1.0,
                               weight_grad_time=1.0)
     profiled = stage_costs(graph, partition(graph, 2, "uniform"))
@@ -74,7 +74,7 @@ def test_prediction_is_the_median_step_not_the_step_of_median_figures() -> None:
     cal = calibrate(schedule, traces)
     assert len(cal.step_calibrations) == 3 and cal.latency == pytest.approx(0.1)
     graph = capture(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), (torch.randn(1, 2),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v].update(forward_time=1.0, backward_time=2.0)
     profiled = stage_costs(graph, partition(graph, 2, "uniform"))
     predicted = predict_calibrated(schedule, cal, lambda c: calibrated_costs(c, profiled))
@@ -92,7 +92,7 @@ def test_prediction_is_the_median_step_not_the_step_of_median_figures() -> None:
 def test_rebalance_proposal_follows_the_measured_costs() -> None:
     model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
     graph = capture(model, (torch.randn(1, 2),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v].update(forward_time=1.0, backward_time=2.0, input_grad_time=1.0,
                               weight_grad_time=1.0)
     plan = partition(graph, 2, "uniform")

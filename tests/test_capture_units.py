@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import copy
 
-import networkx as nx
 import pytest
 import torch
 from torch import nn
 
-from partitioner import capture, partition, profile
+from partitioner import Captured, capture, partition, profile
 from pipeline import Pipeline
 from pipeline.planning.microbatch import merge_microbatches
 from tests.real_models import SPECS, VOCAB, build, check_step, lm_loss
@@ -55,9 +54,9 @@ class Loop(nn.Module):
         return self.out(h)
 
 
-def _predictable_costs(graph: nx.DiGraph, heavy: str) -> None:
+def _predictable_costs(graph: Captured, heavy: str) -> None:
     """Cost 1 for each call of the `heavy` module, 0.05 for every other unit."""
-    for v in graph.graph["order"]:
+    for v in graph.order:
         node = graph.nodes[v]
         cost = 1.0 if (node["module"] or "").split("@")[0] == heavy else 0.05
         node.update(forward_time=cost / 3, backward_time=2 * cost / 3)
@@ -77,7 +76,7 @@ def test_each_call_of_a_shared_module_is_a_unit_and_balances(name: str) -> None:
     heavy = "albert.encoder.albert_layer_groups.0.albert_layers.0" if name == "albert" else "block"
     x = torch.randint(0, VOCAB, (2, 8)) if name == "albert" else torch.randn(2, 4).double()
     graph = capture(model, (x,))
-    calls = [v for v in graph.graph["order"]
+    calls = [v for v in graph.order
              if (graph.nodes[v]["module"] or "").split("@")[0] == heavy]
     assert len(calls) == 12, calls
     assert len({graph.nodes[v]["module"] for v in calls}) == 12  # one unit per call
@@ -198,9 +197,9 @@ def test_window_partitioning_models_capture_only_the_batch_dim(name: str) -> Non
     model = _torchvision(name)
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
     pipe = Pipeline(model, 2, microbatches=2, balance="parameters", example_input=x)
-    assert pipe.graph.graph["front"] == "export"
+    assert pipe.captured.method == "export"
     assert pipe.plan.dynamic_dims == ["x[0]"]
-    dims = pipe.graph.graph["input_dims"][0]
+    dims = pipe.captured.input_dims[0]
     assert not isinstance(dims[0], int) and dims[1:] == (3, 32, 32)
     with torch.no_grad():
         for rows in (4, 7):

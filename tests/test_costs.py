@@ -22,7 +22,7 @@ def test_composite_block_input_grad_is_measured_and_weight_grad_is_the_rest() ->
     x = torch.randn(8, 32)
     graph = capture(model, (x,), leaf_modules=(ResidualMLP,))
     profile(graph, model, (x,), repeats=2, warmup=1)
-    blocks = [v for v in graph.graph["order"] if graph.nodes[v].get("param_bytes", 0) > 0]
+    blocks = [v for v in graph.order if graph.nodes[v].get("param_bytes", 0) > 0]
     assert len(blocks) == 3  # two residual blocks (one node each) and the read-out
     for v in blocks:
         node = graph.nodes[v]
@@ -45,7 +45,7 @@ def test_node_with_weights_only_is_all_weight_grad() -> None:
     idx = torch.randint(0, 10, (4, 3))
     graph = capture(model, (idx,))
     profile(graph, model, (idx,), repeats=1, warmup=0)
-    emb = graph.nodes[graph.graph["order"][0]]
+    emb = graph.nodes[graph.order[0]]
     assert emb["input_grad_time"] == 0.0 and emb["weight_grad_time"] == emb["backward_time"] > 0
 
 
@@ -53,7 +53,7 @@ def test_adapter_uses_input_grad_for_b_and_empties_stage_zero_b() -> None:
     # The figures for a residual block: backward 13.5, input grad 6.4, so W = 7.1.
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     graph = capture(model, (torch.randn(2, 4),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v].update(
             forward_time=5.0, backward_time=13.5, input_grad_time=6.4, weight_grad_time=7.1
         )

@@ -103,7 +103,7 @@ def test_estimate_counts_flops_on_meta() -> None:
     x = torch.randn(3, 8)
     graph = capture(model, (x.to("meta"),))
     estimate(graph, (x,), rates=(1e9, 1e30))  # FLOPs only
-    first = graph.nodes[graph.graph["order"][0]]
+    first = graph.nodes[graph.order[0]]
     assert first["forward_flops"] == 2 * 3 * 8 * 16
     # Backward of a Linear: input grad 2*3*16*8, weight grad 2*16*3*8 FLOPs.
     assert first["backward_flops"] == 2 * (2 * 3 * 8 * 16)
@@ -221,7 +221,7 @@ def test_profiling_copy_is_made_on_the_target_device() -> None:
 
     model = _mlp()
     graph = capture(model, (torch.randn(2, 8),))
-    gm = graph.graph["unit_module"]
+    gm = graph.unit_module
     copied = _copy_to(gm, torch.device("cpu"))
     pairs = list(zip(gm.parameters(), copied.parameters(), strict=True))
     assert pairs and all(isinstance(b, nn.Parameter) for _, b in pairs)

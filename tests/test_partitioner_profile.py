@@ -6,12 +6,11 @@ from __future__ import annotations
 import itertools
 import re
 
-import networkx as nx
 import pytest
 import torch
 from torch import nn
 
-from partitioner import capture, partition, partition_chain, profile
+from partitioner import Captured, capture, partition, partition_chain, profile
 from pipeline.app.models import GPT, mlp_stack, skewed_model
 
 
@@ -48,7 +47,7 @@ def test_profile_is_sandboxed_and_fills_costs() -> None:
     assert {name: m.training for name, m in model.named_modules()} == modes
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
-    for v in graph.graph["order"]:
+    for v in graph.order:
         node = graph.nodes[v]
         assert node["forward_time"] > 0 and node["backward_time"] >= 0
         assert node["activation_bytes"] >= 0
@@ -68,12 +67,12 @@ def test_profile_reports_progress() -> None:
     assert {t for _, t, _ in seen} == {len(graph)}
 
 
-def skewed_graph() -> nx.DiGraph:
+def skewed_graph() -> Captured:
     """The skewed model with synthetic costs: a fixed per-op overhead plus work proportional
     to parameters, as on a CPU with small layers (deterministic, unlike a measurement)."""
     model = skewed_model(dim=16, cheap_blocks=8, head_hidden=512)
     graph = capture(model, (torch.randn(4, 16),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v]["forward_time"] = 1.0 + graph.nodes[v]["param_bytes"] / 4096
         graph.nodes[v]["backward_time"] = 2.0 * graph.nodes[v]["forward_time"]
     return graph
@@ -84,7 +83,7 @@ def test_profile_balance_is_optimal_where_heuristics_are_not(p: int) -> None:
     graph = skewed_graph()
     costs = [
         graph.nodes[v]["forward_time"] + graph.nodes[v]["backward_time"]
-        for v in graph.graph["order"]
+        for v in graph.order
     ]
     sizes = partition_chain(costs, p)
     optimum = max(sum(costs[a:b]) for a, b in itertools.pairwise(itertools.accumulate([0, *sizes])))
@@ -106,7 +105,7 @@ def test_faster_device_gets_more_work() -> None:
 def test_transfer_costs_move_cuts_to_small_tensors() -> None:
     model = skewed_model(dim=16, cheap_blocks=2, head_hidden=4096)
     graph = capture(model, (torch.randn(4, 16),))
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v]["forward_time"] = 1.0
         graph.nodes[v]["backward_time"] = 0.0
     free = partition(graph, 2)
@@ -130,7 +129,7 @@ def test_memory_cap_is_respected() -> None:
 
 def test_memory_cap_nothing_meets_names_stage_and_overrun() -> None:
     graph = skewed_graph()
-    n, p, cap = len(graph.graph["order"]), 3, 100_000.0
+    n, p, cap = len(graph.order), 3, 100_000.0
     with pytest.raises(ValueError, match="no split into 3 stages fits memory_cap") as info:
         partition(graph, p, memory_cap=cap)
     found = re.search(r"on stage (\d+), (\d+) bytes .* over its cap of 100000", str(info.value))
@@ -153,7 +152,7 @@ def test_partition_bad_inputs() -> None:
     model = GPT(vocab=32, dim=16, layers=2, heads=2, max_seq=8)
     # fx keeps idx.size(1) as a Python int (torch.export's symbolic sizes never block a cut).
     graph = capture(model, (torch.randint(0, 32, (1, 8)),), method="fx")
-    n = len(graph.graph["order"])
+    n = len(graph.order)
     with pytest.raises(ValueError, match="stages must be >= 1, got 0"):
         partition(graph, 0, "uniform")
     with pytest.raises(ValueError, match=f"cannot split {n} nodes into {n + 1} stages"):
@@ -171,7 +170,7 @@ def test_partition_bad_inputs() -> None:
     with pytest.raises(TypeError, match="stages must be an int"):
         partition(graph, 2.0, "uniform")  # type: ignore[arg-type]
     # GPT slices the position table with idx.size(1), an int: no cut may separate the two.
-    order = graph.graph["order"]
+    order = graph.order
     size_at = next(i for i, v in enumerate(order) if graph.nodes[v]["target"] == "size")
     with pytest.raises(ValueError, match="non-tensor value crosses"):
         partition(graph, 2, [size_at + 1, n - size_at - 1])
@@ -179,6 +178,6 @@ def test_partition_bad_inputs() -> None:
 
 def test_explicit_balance_over_memory_cap_names_stage() -> None:
     graph = skewed_graph()
-    n = len(graph.graph["order"])
+    n = len(graph.order)
     with pytest.raises(ValueError, match=r"balance \[1, .*\] still needs \d+ bytes on stage 1"):
         partition(graph, 2, [1, n - 1], memory_cap=50_000.0, inflight=1)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import itertools
 import random
 
-import networkx as nx
 import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import fx
 
-from partitioner import Plan, capture, partition, partition_chain, split_model
+from partitioner import Captured, Plan, capture, partition, partition_chain, split_model
 from partitioner.solver import block_partition, evenly
 
 
@@ -102,22 +101,26 @@ def random_dag_module(n: int, rng: random.Random) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def brute_force(graph: nx.DiGraph, p: int, bandwidth: float, cap: float) -> float:
+def brute_force(graph: Captured, p: int, bandwidth: float, cap: float) -> float:
     """The best bottleneck over every contiguous split whose stages fit `cap` (activation bytes
     x (p - k) in-flight microbatches for stage k, as 1F1B holds), from the graph's edges."""
-    order = graph.graph["order"]
+    order = graph.order
     n = len(order)
     index = {v: i for i, v in enumerate(order)}
-    outputs = set(graph.graph["output_values"])
+    # The input's edges and the output's values, which the unit graph keeps apart.
+    flat = graph.graph_module.graph
+    out_node = next(v for v in flat.nodes if v.op == "output")
+    outputs = {a.name for a in out_node.args[0]}
+    input_users = {u.name for u in next(iter(flat.nodes)).users}
     compute = [graph.nodes[v]["forward_time"] + graph.nodes[v]["backward_time"] for v in order]
 
     def crossing(c: int) -> float:
         live = 0.0
         for v in order[:c]:
-            later = any(index[u] >= c for u in graph.successors(v)) or v in outputs
+            later = any(index[u] >= c for u in graph.graph.successors(v)) or v in outputs
             live += graph.nodes[v]["bytes"] if later else 0
-        if any(v in graph.graph["input_users"] for v in order[c:]):
-            live += graph.graph["input_meta"]["x"]["bytes"]
+        if any(v in input_users for v in order[c:]):
+            live += graph.values["x"].bytes
         return live / bandwidth
 
     best = float("inf")
@@ -149,15 +152,10 @@ def test_random_dags_partition_optimally_and_split_exactly(
     gm = random_dag_module(n, rng)
     x = torch.randn(4, dtype=torch.float64)
     graph = capture(gm, (x,))
-    # Brute force needs the input's edges and the output's values, which capture keeps apart.
-    traced = graph.graph["graph_module"]
-    out_node = next(v for v in traced.graph.nodes if v.op == "output")
-    graph.graph["output_values"] = [a.name for a in out_node.args[0]]
-    graph.graph["input_users"] = {u.name for u in next(iter(traced.graph.nodes)).users}
-    for v in graph.graph["order"]:
+    for v in graph.order:
         graph.nodes[v]["forward_time"] = float(rng.randint(0, 20))
         graph.nodes[v]["backward_time"] = float(rng.randint(0, 20))
-    nodes = len(graph.graph["order"])  # mix is traced through: 1-3 graph nodes per DAG node
+    nodes = len(graph.order)  # mix is traced through: 1-3 graph nodes per DAG node
     if p > nodes:
         with pytest.raises(ValueError, match=f"cannot split {nodes} nodes"):
             partition(graph, p)
@@ -172,7 +170,7 @@ def test_random_dags_partition_optimally_and_split_exactly(
     plan = partition(graph, p, bandwidth=8.0, memory_cap=cap)
     assert max(plan.stage_memory) <= cap
     flat = [v for stage in plan.stages for v in stage]
-    assert flat == graph.graph["order"], "stages are contiguous segments of the order"
+    assert flat == list(graph.order), "stages are contiguous segments of the order"
     assert all(plan.stages), "no empty stage"
     assert plan.bottleneck == best
     stages = split_model(graph, plan)
@@ -187,7 +185,7 @@ def test_plan_table_and_dict() -> None:
     gm = random_dag_module(6, random.Random(1))
     graph = capture(gm, (torch.randn(3),))
     plan = partition(graph, 2, "uniform")
-    half = len(graph.graph["order"]) // 2
+    half = len(graph.order) // 2
     assert isinstance(plan, Plan) and plan.sizes == [half, half]
     text = str(plan)
     assert "fwd ms" in text and plan.stages[1][0] in text and plan.stages[1][-1] in text

@@ -97,7 +97,7 @@ def test_stages_reproduce_the_model_exactly(name: str) -> None:
         for balance in ("uniform", "parameters"):
             stages = split_model(graph, partition(graph, p, balance))
             assert len(stages) == p
-            assert stages[0].input_names == graph.graph["inputs"]
+            assert stages[0].input_names == list(graph.inputs)
             for before, after in zip(stages, stages[1:], strict=False):
                 assert after.input_names == before.output_names
             out = run_chain(stages, inputs)
@@ -208,8 +208,8 @@ def test_untraceable_sequential_falls_back_to_children() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Linear(4, 2)).double()
     x = torch.randn(2, 4, dtype=torch.float64)
     graph = capture(model, (x,))
-    assert graph.graph["module"] is model
-    assert [graph.nodes[v]["target"] for v in graph.graph["order"]] == ["0", "1", "2"]
+    assert graph.model is model
+    assert [graph.nodes[v]["target"] for v in graph.order] == ["0", "1", "2"]
     stages = split_model(graph, partition(graph, 3, "uniform"))
     assert torch.equal(run_chain(stages, (x,)), model(x))
     assert [n for n, _ in stages[1].named_parameters()] == []
@@ -219,7 +219,7 @@ def test_untraceable_sequential_falls_back_to_children() -> None:
 def test_default_leaves_keep_blocks_whole() -> None:
     model = GPT(vocab=32, dim=16, layers=2, heads=2, max_seq=8)
     graph = capture(model, (torch.randint(0, 32, (1, 8)),))
-    blocks = [v for v in graph if graph.nodes[v]["op"] == "call_module" and "blocks" in v]
+    blocks = [v for v in graph.order if graph.nodes[v]["op"] == "call_module" and "blocks" in v]
     assert len(blocks) == 2
     assert all(
         isinstance(model.get_submodule(graph.nodes[v]["target"]), TransformerBlock) for v in blocks
@@ -230,11 +230,11 @@ def test_node_and_edge_attributes() -> None:
     model = mlp_stack(2, 8)
     x = torch.randn(3, 8)
     graph = capture(model, (x,))
-    first = graph.nodes[graph.graph["order"][0]]
+    first = graph.nodes[graph.order[0]]
     assert first["op"] == "call_module" and first["module"] == "0.ln"
     assert first["shape"] == (3, 8) and first["dtype"] == "torch.float32"
     assert first["bytes"] == 3 * 8 * 4 and first["param_bytes"] == 2 * 8 * 4
-    for u, v, data in graph.edges(data=True):
+    for u, v, data in graph.graph.edges(data=True):
         assert data["bytes"] == graph.nodes[u]["bytes"], (u, v)
 
 

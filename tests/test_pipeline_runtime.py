@@ -235,7 +235,7 @@ def test_simulate_predicts_every_action() -> None:
     costs = pipe.profiled_costs()  # balance="parameters": profiled on demand
     assert len(costs.forward) == len(costs.backward) == pipe.schedule.num_stages
     assert all(f > 0 for f in costs.forward) and all(b > 0 for b in costs.backward)
-    assert set(pipe.graph.graph["order"]) == {v for stage in pipe.plan.stages for v in stage}
+    assert set(pipe.captured.order) == {v for stage in pipe.plan.stages for v in stage}
     # Stage 0's split backward is all W (its inputs need no gradient).
     stage0 = [e for e in predicted.events if e.stage == 0]
     assert all(e.duration == 0 for e in stage0 if e.op is Op.B)

@@ -48,7 +48,7 @@ def test_autocast_block_in_forward_is_captured_by_export() -> None:
     fp32 = reference(WithoutBlock(), x, y, None)[1]
     pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, balance="uniform")
     loss = pipe.step(x, y)
-    assert pipe.graph.graph["front"] == "export"
+    assert pipe.captured.method == "export"
     assert_equal_run(pipe, model, loss, reference(model, x, y, None), fp32, "inner autocast")
 
 
@@ -140,6 +140,6 @@ def test_fx_fallback_logs_exports_error(
     with caplog.at_level(logging.WARNING, logger="hybridpipe"):
         pipe = Pipeline(res_model(), stages=2, microbatches=M, loss_fn=mse, balance="uniform",
                         example_input=batch()[0])
-    assert pipe.graph.graph["front"] == "fx"
+    assert pipe.captured.method == "fx"
     assert any("torch.fx instead" in r.message and "export exploded on purpose" in r.message
                for r in caplog.records), caplog.text

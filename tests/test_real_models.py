@@ -39,7 +39,7 @@ def test_real_model_transparency(name: str, stages: int) -> None:
     x, y = spec.batch(5, 8)  # 5 rows in 4 microbatches: uneven splits
     pipe = Pipeline(model, stages, microbatches=4, loss_fn=spec.loss_fn, balance="parameters")
     check_step(pipe, model, ref, x, y)
-    assert pipe.graph.graph["front"] == "export"
+    assert pipe.captured.method == "export"
     # Stages hold the user's Parameter objects themselves.
     own = {id(p) for p in model.parameters()}
     assert all(id(p) in own for s in pipe.stage_modules for p in s.parameters())
@@ -116,14 +116,13 @@ def test_groups_are_blocks_not_aten_ops() -> None:
     model = build("gpt2")
     x, _ = SPECS["gpt2"].batch(2, 8)
     graph = capture(model, (), x)
-    flat = sum(1 for n in graph.graph["graph_module"].graph.nodes if n.op == "call_function")
-    blocks = [v for v in graph if graph.nodes[v]["module"] in ("transformer.h.0",
-                                                               "transformer.h.1")]
+    flat = sum(1 for n in graph.graph_module.graph.nodes if n.op == "call_function")
+    blocks = [v for v in graph.order if graph.nodes[v]["module"] in ("transformer.h.0",
+                                                                     "transformer.h.1")]
     assert blocks == ["transformer_h_0", "transformer_h_1"]
     assert len(graph) < flat / 5, (len(graph), flat)
     # The tied head reads the embedding's Parameter: one object, held under both names.
-    assert graph.graph["aliases"]["lm_head.weight"] == ["transformer.wte.weight",
-                                                       "lm_head.weight"]
+    assert graph.aliases["lm_head.weight"] == ["transformer.wte.weight", "lm_head.weight"]
 
 
 def test_static_dim_fails_before_running() -> None:

@@ -126,7 +126,7 @@ def test_autoplan_synthesis_beats_its_generators_and_stops_at_the_cap() -> None:
     from tests.test_autoplan import synthetic_graph
 
     graph = synthetic_graph()
-    order = graph.graph["order"]
+    order = graph.order
     for node in (order[0], order[-1]):  # a heavy embedding and head
         graph.nodes[node].update(forward_time=3.0, input_grad_time=4.0, weight_grad_time=1.5)
     plan = search(graph, world_size=4, pp=[4], batch_size=64, profiled_batch=4,

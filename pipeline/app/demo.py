@@ -253,7 +253,7 @@ def _plan_for_8_devices(pipe: Pipeline, model: GPT, config: DemoConfig) -> AutoP
     _say(f"7. plan 8 devices for this model (hybridpipe plan), memory limit "
          f"{limit / 2**20:.1f} MiB per device, all-reduce at 10 GB/s: ranked by predicted step")
     planned = search(
-        pipe.graph, world_size=8, batch_size=8 * config.batch_size,
+        pipe.captured, world_size=8, batch_size=8 * config.batch_size,
         profiled_batch=config.batch_size // config.microbatches, memory_limit=limit,
         dp_bandwidth=1e10,
     )

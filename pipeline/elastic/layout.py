@@ -70,12 +70,12 @@ def _search_here(
     micro = split_microbatches(example, min(2 * world_size, size), "inputs")[0]
     args, kwargs = call_structure(micro)
     rows = micro if batch_size(micro, "inputs") > 1 else split_microbatches(example, 1)[0]
-    graph = capture(model, *call_structure(rows), leaf_modules=leaf_modules,
-                    method=capture_method)
+    captured = capture(model, *call_structure(rows), leaf_modules=leaf_modules,
+                       method=capture_method)
     flat = tuple(tree_flatten((args, kwargs))[0])
-    profile(graph, model, flat, device="cpu")
+    profile(captured, model, flat, device="cpu")
     return search(
-        graph, world_size=world_size, batch_size=size, profiled_batch=batch_size(micro),
+        captured, world_size=world_size, batch_size=size, profiled_batch=batch_size(micro),
         memory_limit=memory_limit, schedules=schedules,
         virtual_stages=None if virtual_stages is None else [virtual_stages],
     )

@@ -86,11 +86,11 @@ class Executor(ABC):
             raise RuntimeError("the executor has no plan yet; call load first")
         held = sorted(self.held().items())
         devices = [self.devices[self._schedule.placement[s]] for s, _ in held]
-        graph = self.planned.graph.graph  # its modules read the same tensors (re-splits use it)
-        captured = [graph[k] for k in ("graph_module", "unit_module") if k in graph]
+        # The capture's modules read the same tensors (re-splits use them).
+        captured = self.planned.captured
         names = materialize(
             self.planned.model, [m for _, m in held], devices, init_fn=init_fn, seed=seed,
-            holders=captured,
+            holders=[captured.graph_module, captured.unit_module],
         )
         self.reload()
         return names

@@ -87,9 +87,9 @@ class MeasuredSteps:
             )
         target = schedule
         planned = self.setup.planned
-        graph = planned.graph if planned is not None else None
+        captured = planned.captured if planned is not None else None
         if target.num_stages != profiled.num_stages and (
-            not self.setup.executor.coordination.keeps_whole_model or graph is None
+            not self.setup.executor.coordination.keeps_whole_model or captured is None
         ):
             raise ValueError(
                 f"schedule {target.name!r} has {target.num_stages} stages and this plan "
@@ -101,10 +101,10 @@ class MeasuredSteps:
 
         def costs_of(step: Calibration | None) -> StageCosts:
             costs = profiled if step is None else calibrated_costs(step, profiled)
-            if graph is None or target.num_stages == costs.num_stages:
+            if captured is None or target.num_stages == costs.num_stages:
                 return costs
             plan = self.setup.require_plan().plan
-            scaled = graph if step is None else measured_node_costs(graph, plan, costs)
+            scaled = captured if step is None else measured_node_costs(captured, plan, costs)
             return costs_for_stages(scaled, target.num_stages, balance)
 
         if calibration is None:
@@ -136,13 +136,13 @@ class MeasuredSteps:
         setup = self.setup
         planned = setup.require_plan()
         report, plan = propose_rebalance(
-            planned.graph, planned.plan, planned.schedule, calibration, self.profiled_costs(),
+            planned.captured, planned.plan, planned.schedule, calibration, self.profiled_costs(),
             threshold,
         )
         if report.applied:
             self._adopt(Planned(
-                planned.model, planned.schedule, plan, planned.graph, planned.example,
-                split_model(planned.graph, plan), None,
+                planned.model, planned.schedule, plan, planned.captured, planned.example,
+                split_model(planned.captured, plan), None,
             ))
         self.rebalanced = report
         log.info("hybridpipe: %s", report)

@@ -96,7 +96,7 @@ class Setup:
         args, kwargs = call_structure(x)
         if self.planned is not None:
             signature = inspect.signature(self.module.forward)
-            return flat_inputs(self.planned.graph.graph["in_spec"], args, kwargs, signature)
+            return flat_inputs(self.planned.captured.in_spec, args, kwargs, signature)
         leaves, self.planner.call_spec = tree_flatten((args, kwargs))
         return tuple(leaves)
 
@@ -124,7 +124,7 @@ class Setup:
         capture again, with that dim dynamic, when a batch changes a dim the capture made
         static but the model does not fix (pipeline.planning.shapes). A batch of shapes
         already checked is not checked again (the check costs ~0.2 ms per microbatch)."""
-        check_mode(planned.graph)
+        check_mode(planned.captured)
         shapes = (id(planned), tuple(
             (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in args
         ))
@@ -138,7 +138,7 @@ class Setup:
                 self.planned = planned = recaptured
         m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
         for mb in split_microbatches(args, m, "inputs"):
-            check_inputs(planned.graph, mb)
+            check_inputs(planned.captured, mb)
         if len(self._checked) >= 64:
             self._checked.clear()
         self._checked.add(shapes)

@@ -33,8 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import networkx as nx
-
+from partitioner import Captured
 from pipeline.planning.costs import StageCosts, costs_for_stages, predict, predict_summary
 from pipeline.planning.synthesis import OPTIMIZER_FACTOR, SYNTH, inflight_limits, synthesized
 from scheduler import SCHEDULES, Schedule, Timeline, build_schedule
@@ -253,7 +252,7 @@ class _Ranking:
 
 
 def search(
-    graph: nx.DiGraph,
+    captured: Captured,
     *,
     world_size: int,
     batch_size: int,
@@ -270,21 +269,21 @@ def search(
     keep: int = 20,
     synthesized_configs: int = 2,
 ) -> AutoPlan:
-    """Rank configurations of a profiled `graph` (profiled on microbatches of
+    """Rank configurations of a profiled `captured` model (profiled on microbatches of
     `profiled_batch` samples) for `world_size` devices and `batch_size` samples per step.
 
-    `pp`: pipeline rank counts to try (default: every divisor of world_size that the graph
+    `pp`: pipeline rank counts to try (default: every divisor of world_size that the model
     can be cut into); dp = world_size // pp. `schedules` (default all, "synth" included),
     `microbatches` (default `default_microbatches`) and `virtual_stages` restrict the search.
     `keep` best candidates are returned; a schedule is synthesised for the
     `synthesized_configs` best (pp, m, v). See the module docstring for the model."""
     started = time.perf_counter()
     names = _checked_names(world_size, batch_size, profiled_batch, memory_limit, schedules)
-    nodes = len(graph.graph["order"])
+    nodes = len(captured)
     pps = _pipeline_depths(pp, world_size, nodes)
     pricing = Pricing(optimizer_factor, latency, overhead, dp_bandwidth, memory_limit)
     ranking = _Ranking(keep)
-    costs = _StageCostsCache(graph, ranking.notes)
+    costs = _StageCostsCache(captured, ranking.notes)
     for group in _groups(pps, names, virtual_stages, world_size, batch_size, nodes, costs,
                          ranking.notes):
         counts = (microbatches if microbatches is not None
@@ -333,15 +332,15 @@ class _StageCostsCache:
     """The profiled costs of the graph cut into n stages, computed once per n (None, with a
     note, when it cannot be cut so)."""
 
-    def __init__(self, graph: nx.DiGraph, notes: list[str]) -> None:
-        self.graph = graph
+    def __init__(self, captured: Captured, notes: list[str]) -> None:
+        self.captured = captured
         self.notes = notes
         self.cache: dict[int, StageCosts | None] = {}
 
     def get(self, stages: int) -> StageCosts | None:
         if stages not in self.cache:
             try:
-                self.cache[stages] = costs_for_stages(self.graph, stages)
+                self.cache[stages] = costs_for_stages(self.captured, stages)
             except ValueError as err:  # e.g. fewer places to cut than stages
                 self.notes.append(f"{stages} stages: {err}")
                 self.cache[stages] = None
@@ -413,7 +412,7 @@ def _add_synthesized(ranking: _Ranking, costs: _StageCostsCache, configs: int, p
 
 
 def predicted(
-    graph: nx.DiGraph, candidate: Candidate, batch_size: int, profiled_batch: int, *,
+    captured: Captured, candidate: Candidate, batch_size: int, profiled_batch: int, *,
     latency: float = 0.0, overhead: float = 0.0,
 ) -> tuple[Schedule, Timeline]:
     """A candidate's schedule (its `built` one, or the generator's) and its predicted pipeline
@@ -421,7 +420,7 @@ def predicted(
     p, m, v = candidate.pp, candidate.microbatches, candidate.virtual_stages
     schedule = candidate.built or build_schedule(candidate.schedule, p, m, v)
     factor = batch_size / candidate.dp / m / profiled_batch
-    costs = _scaled(costs_for_stages(graph, schedule.num_stages), factor)
+    costs = _scaled(costs_for_stages(captured, schedule.num_stages), factor)
     return schedule, predict(schedule, costs, latency=latency, overhead=overhead)
 
 

@@ -35,9 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import networkx as nx
-
-from partitioner import Plan
+from partitioner import Captured, Plan
 from pipeline.planning.costs import StageCosts, predict, replay
 from scheduler import Action, Op, Schedule, Timeline
 from scheduler.validate import dependencies
@@ -213,19 +211,19 @@ def calibrated_costs(calibration: Calibration, profiled: StageCosts) -> StageCos
     )
 
 
-def measured_node_costs(graph: nx.DiGraph, plan: Plan, measured: StageCosts) -> nx.DiGraph:
-    """A copy of `graph` whose node times are scaled, stage by stage, so that each stage's
+def measured_node_costs(captured: Captured, plan: Plan, measured: StageCosts) -> Captured:
+    """A copy of `captured` whose unit times are scaled, stage by stage, so that each stage's
     forward and backward sums equal the measured ones: the profile's split of a stage among
-    its nodes, the measurement's totals. Partition it to re-balance from measured costs."""
-    scaled = graph.copy()
-    scaled.graph["costs"] = "measured"  # no longer an estimate (partitioner.estimate)
+    its units, the measurement's totals. Partition it to re-balance from measured costs."""
+    scaled = captured.copy()
     for k, nodes in enumerate(plan.stages):
-        f_prof = sum(graph.nodes[v].get("forward_time", 0.0) for v in nodes)
-        b_prof = sum(graph.nodes[v].get("backward_time", 0.0) for v in nodes)
+        f_prof = sum(captured.nodes[v].get("forward_time", 0.0) for v in nodes)
+        b_prof = sum(captured.nodes[v].get("backward_time", 0.0) for v in nodes)
         f_ratio = measured.forward[k] / f_prof if f_prof > 0 else 1.0
         b_ratio = measured.backward[k] / b_prof if b_prof > 0 else 1.0
         for v in nodes:
             node = scaled.nodes[v]
+            node["cost_source"] = "measured"  # no longer an estimate (partitioner.estimate)
             node["forward_time"] = node.get("forward_time", 0.0) * f_ratio
             for key in ("backward_time", "input_grad_time", "weight_grad_time"):
                 node[key] = node.get(key, 0.0) * b_ratio
@@ -264,21 +262,21 @@ class Rebalance:
 
 
 def propose_rebalance(
-    graph: nx.DiGraph,
+    captured: Captured,
     plan: Plan,
     schedule: Schedule,
     calibration: Calibration,
     profiled: StageCosts,
     threshold: float = 0.05,
 ) -> tuple[Rebalance, Plan]:
-    """Re-partition `graph` on measured node costs (`measured_node_costs`) and compare both
+    """Re-partition `captured` on measured node costs (`measured_node_costs`) and compare both
     plans' calibrated predictions for `schedule`; the Rebalance says whether the new plan cuts
     the predicted step by more than `threshold`."""
     from partitioner import partition
     from pipeline.planning.costs import stage_costs
 
     measured = calibrated_costs(calibration, profiled)
-    scaled = measured_node_costs(graph, plan, measured)
+    scaled = measured_node_costs(captured, plan, measured)
     new_plan = partition(scaled, schedule.num_stages, "profile")
     # Mean actions (no spread): the choice between two plans should not ride on replay draws.
     lat, over = calibration.latency, calibration.overhead

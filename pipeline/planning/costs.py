@@ -10,9 +10,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import networkx as nx
-
-from partitioner import Plan, partition
+from partitioner import Captured, Plan, partition
 from scheduler import Schedule, Timeline, simulate
 from scheduler.simulate import Summary, summarize
 
@@ -39,10 +37,10 @@ class StageCosts:
         return len(self.forward)
 
 
-def stage_costs(graph: nx.DiGraph, plan: Plan) -> StageCosts:
-    """Sum a profiled graph's node costs over each stage of `plan`. A node profiled without the
+def stage_costs(captured: Captured, plan: Plan) -> StageCosts:
+    """Sum a profiled capture's unit costs over each stage of `plan`. A node profiled without the
     split (no input_grad_time) counts its whole backward as B."""
-    nodes = graph.nodes
+    nodes = captured.nodes
 
     def total(stage: list[str], key: str, default: str | None = None) -> float:
         return float(
@@ -61,9 +59,11 @@ def stage_costs(graph: nx.DiGraph, plan: Plan) -> StageCosts:
     )
 
 
-def costs_for_stages(graph: nx.DiGraph, stages: int, balance: str = "profile") -> StageCosts:
-    """The stage costs of the plan `Pipeline` would make for `stages` stages of this graph."""
-    return stage_costs(graph, partition(graph, stages, balance))
+def costs_for_stages(
+    captured: Captured, stages: int, balance: str = "profile"
+) -> StageCosts:
+    """The stage costs of the plan `Pipeline` would make for `stages` stages of this model."""
+    return stage_costs(captured, partition(captured, stages, balance))
 
 
 def action_costs(

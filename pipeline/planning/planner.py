@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import networkx as nx
 import torch
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from partitioner import (
+    Captured,
     CaptureError,
     Plan,
     StageModule,
@@ -87,13 +87,13 @@ class Coordination:
 @dataclass
 class Planned:
     """The result of planning: the model, the schedule, the partition, the captured (and maybe
-    profiled) graph with the example it was captured on, every stage's module in stage order
+    profiled) model with the example it was captured on, every stage's module in stage order
     (sharing the model's parameters), and the profiled per-stage costs (None until profiled)."""
 
     model: torch.nn.Module
     schedule: Schedule
     plan: Plan
-    graph: nx.DiGraph
+    captured: Captured
     example: tuple[Any, ...]
     modules: list[StageModule]
     costs: StageCosts | None
@@ -137,16 +137,16 @@ def _as_meta(value: Any) -> Any:
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
 
 
-def measure(graph: nx.DiGraph, model: torch.nn.Module, example: tuple[Any, ...],
+def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...],
             device: torch.device) -> None:
-    """Profile the graph's nodes, or estimate them (FLOPs + bytes on meta,
+    """Profile the captured units, or estimate them (FLOPs + bytes on meta,
     partitioner.estimate) when the model is on the meta device."""
     if on_meta(model):
-        estimate(graph, example, device=device)
+        estimate(captured, example, device=device)
     else:  # a meta model materialised since it was captured: time it on zeros of those shapes
         real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
                         if isinstance(t, torch.Tensor) and t.is_meta else t, example)
-        profile(graph, model, real, device=device)
+        profile(captured, model, real, device=device)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -251,7 +251,7 @@ class Planner:
         """Plan from one batch of flat inputs `args` (the leaves of the call `call_spec`
         describes; needed on the leader only)."""
         offer = None
-        profiled: tuple[nx.DiGraph, tuple[Any, ...]] | None = None
+        profiled: tuple[Captured, tuple[Any, ...]] | None = None
         if how.leads:
             if args is None:
                 raise ValueError(
@@ -266,11 +266,11 @@ class Planner:
             choice = None
             if self.auto:
                 with how.phase("auto-planning (capture and profiling of the model)"):
-                    captured = self._capture(_capture_rows(args, example))
-                    measure(captured, self.model, example, how.device)
-                    choice = self._choose(captured, size, batch_size(example, "inputs"))
+                    provisional = self._capture(_capture_rows(args, example))
+                    measure(provisional, self.model, example, how.device)
+                    choice = self._choose(provisional, size, batch_size(example, "inputs"))
                 if choice[1] == m:
-                    profiled = (captured, example)  # reuse: same microbatch
+                    profiled = (provisional, example)  # reuse: same microbatch
                 else:
                     m = choice[1]
                     example = tuple(split_microbatches(args, m, "inputs")[0])
@@ -293,24 +293,24 @@ class Planner:
             if self.schedule is None:
                 self.schedule = self._build(m)
             schedule = self.schedule
-            graph = profiled[0] if profiled is not None else self._capture(rows)
+            captured = profiled[0] if profiled is not None else self._capture(rows)
         plan = costs = None
         if how.leads:
             if self.balance == "profile" and profiled is None:
                 with how.phase("profiling of the model"):
-                    measure(graph, self.model, example, how.device)
+                    measure(captured, self.model, example, how.device)
             with how.phase("partitioning of the model"):
-                plan = partition(graph, schedule.num_stages, self.balance)
+                plan = partition(captured, schedule.num_stages, self.balance)
                 # Costs are measured by the leader while it still holds the whole model.
-                costs = stage_costs(graph, plan) if self.balance == "profile" else None
+                costs = stage_costs(captured, plan) if self.balance == "profile" else None
         plan, costs = how.agree(
             "the plan", (plan, costs), {"schedule text": schedule_setting(schedule)}
         )
         with how.phase("split of the model"):
-            modules = split_model(graph, plan)
-        return Planned(self.model, schedule, plan, graph, example, modules, costs)
+            modules = split_model(captured, plan)
+        return Planned(self.model, schedule, plan, captured, example, modules, costs)
 
-    def _capture(self, rows: tuple[Any, ...], method: str | None = None) -> nx.DiGraph:
+    def _capture(self, rows: tuple[Any, ...], method: str | None = None) -> Captured:
         """Capture the model called with the flat inputs `rows` (structure `call_spec`)."""
         if self.call_spec is None:
             raise RuntimeError("planning needs the inputs' structure (Pipeline._as_args)")
@@ -332,52 +332,55 @@ class Planner:
         model's code fixes the size (then `check_inputs` reports it)."""
         m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
         microbatches = split_microbatches(args, m, "inputs")
-        changed = changed_static_dims(planned.graph, microbatches) - self._fixed
+        changed = changed_static_dims(planned.captured, microbatches) - self._fixed
         if not changed:
             return None
         if not how.keeps_whole_model:
             raise ValueError(
-                f"this batch changes {describe(planned.graph, changed)}, a size the capture "
+                f"this batch changes {describe(planned.captured, changed)}, a size the capture "
                 "made static; under torch.distributed each process holds only its stages, so "
                 f"the model cannot be captured again: build the Pipeline with dynamic_dims="
                 f"{dims_of(changed)!r} (or give batches of the first batch's shape)"
             )
         self.changed |= changed
-        log.info("hybridpipe: capturing again with %s dynamic", describe(planned.graph, changed))
+        log.info("hybridpipe: capturing again with %s dynamic",
+                 describe(planned.captured, changed))
         try:  # on the first capture's rows: the model runs on those
-            graph = self._capture(self._rows, method="export")
+            captured: Captured | None = self._capture(self._rows, method="export")
         except CaptureError:
-            graph = None
-        self._fixed |= changed if graph is None else still_static(graph, changed)
-        if graph is None or self._fixed & changed:
+            captured = None
+        self._fixed |= changed if captured is None else still_static(captured, changed)
+        if captured is None or self._fixed & changed:
             self.changed -= self._fixed
             return None
         plan, costs = planned.plan, planned.costs
-        if not carry_over(planned.graph, graph):
+        if not carry_over(planned.captured, captured):
             if not isinstance(self.balance, str):
                 raise ValueError(
-                    f"this batch changes {describe(planned.graph, changed)}; captured again "
-                    f"with it dynamic the model has {len(graph)} units (was "
-                    f"{len(planned.graph)}), so balance={list(self.balance)} no longer fits: "
+                    f"this batch changes {describe(planned.captured, changed)}; captured again "
+                    f"with it dynamic the model has {len(captured)} units (was "
+                    f"{len(planned.captured)}), so balance={list(self.balance)} no longer fits: "
                     f"build the Pipeline with dynamic_dims={dims_of(changed)!r} (then the counts "
                     "are of that capture), or balance='profile'/'parameters'"
                 )
             if self.balance == "profile":
-                measure(graph, self.model, planned.example, how.device)
-            plan = partition(graph, planned.schedule.num_stages, self.balance)
-            costs = stage_costs(graph, plan) if self.balance == "profile" else None
-        plan = with_dims(plan, graph)
-        modules = split_model(graph, plan)
-        return Planned(self.model, planned.schedule, plan, graph, planned.example, modules, costs)
+                measure(captured, self.model, planned.example, how.device)
+            plan = partition(captured, planned.schedule.num_stages, self.balance)
+            costs = stage_costs(captured, plan) if self.balance == "profile" else None
+        plan = with_dims(plan, captured)
+        modules = split_model(captured, plan)
+        return Planned(
+            self.model, planned.schedule, plan, captured, planned.example, modules, costs
+        )
 
     def _choose(
-        self, graph: nx.DiGraph, size: int, profiled_batch: int
+        self, captured: Captured, size: int, profiled_batch: int
     ) -> tuple[str, int, int, Schedule | None]:
         """(schedule, microbatches, virtual stages, the schedule if synthesised): the fastest
         predicted within the memory limit, the settings not left to "auto" held fixed."""
         fixed_name = None if self.schedule_spec == AUTO else [str(self.schedule_spec)]
         self.autoplan = search(
-            graph,
+            captured,
             world_size=self.ranks,
             pp=[self.ranks],
             batch_size=size,
@@ -400,8 +403,8 @@ class Planner:
                 "under torch.distributed the stage costs are measured on global rank 0 before "
                 "the model is split; build the Pipeline with balance='profile' to simulate it"
             )
-        graph = planned.graph
-        if not all("forward_time" in graph.nodes[v] for v in graph.graph["order"]):
-            measure(graph, self.model, planned.example, how.device)
-        planned.costs = stage_costs(graph, planned.plan)
+        captured = planned.captured
+        if not captured.profiled:
+            measure(captured, self.model, planned.example, how.device)
+        planned.costs = stage_costs(captured, planned.plan)
         return planned.costs

@@ -11,10 +11,9 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import networkx as nx
 import torch
 
-from partitioner.plan import dynamic_dims
+from partitioner import Captured
 
 Pairs = set[tuple[int, int]]  # (flat input index, dim)
 
@@ -49,12 +48,12 @@ def pairs_for(leaves: Sequence[Any], dims: Collection[int]) -> Pairs:
     }
 
 
-def changed_static_dims(graph: nx.DiGraph, microbatches: Sequence[Sequence[Any]]) -> Pairs:
+def changed_static_dims(captured: Captured, microbatches: Sequence[Sequence[Any]]) -> Pairs:
     """(flat input index, dim) of every dim the capture made static in which a microbatch
     differs (inputs of another rank or count are left to `check_inputs` to report)."""
-    if graph.graph.get("front") != "export":
+    if captured.method != "export":
         return set()
-    want: list[tuple[Any, ...] | None] = graph.graph.get("input_dims", [])
+    want = captured.input_dims
     changed: Pairs = set()
     for leaves in microbatches:
         if len(leaves) != len(want):
@@ -69,26 +68,29 @@ def changed_static_dims(graph: nx.DiGraph, microbatches: Sequence[Sequence[Any]]
     return changed
 
 
-def still_static(graph: nx.DiGraph, pairs: Pairs) -> Pairs:
+def still_static(captured: Captured, pairs: Pairs) -> Pairs:
     """The pairs a capture kept static although asked to make them dynamic (the model's code
     fixes those sizes)."""
-    want = graph.graph.get("input_dims", [])
-    return {(i, d) for i, d in pairs if want[i] is not None and isinstance(want[i][d], int)}
+    return {(i, d) for i, d in pairs if _static(captured.input_dims[i], d)}
 
 
-def carry_over(old: nx.DiGraph, new: nx.DiGraph) -> bool:
+def _static(dims: tuple[Any, ...] | None, d: int) -> bool:
+    return dims is not None and isinstance(dims[d], int)
+
+
+def carry_over(old: Captured, new: Captured) -> bool:
     """Copy the profiled costs of `old`'s units onto `new`'s when both have the same units in
     the same order (a re-capture with more dims dynamic); False when they differ."""
-    if old.graph["order"] != new.graph["order"]:
+    if old.order != new.order:
         return False
-    for name in old.graph["order"]:
+    for name in old.order:
         new.nodes[name].update({k: v for k, v in old.nodes[name].items() if k in PROFILED})
     return True
 
 
-def with_dims(plan: Any, graph: nx.DiGraph) -> Any:
-    """`plan` naming `graph`'s dynamic dims."""
-    return dataclasses.replace(plan, dynamic_dims=dynamic_dims(graph))
+def with_dims(plan: Any, captured: Captured) -> Any:
+    """`plan` naming the capture's dynamic dims."""
+    return dataclasses.replace(plan, dynamic_dims=captured.dynamic_dim_names)
 
 
 def dims_of(pairs: Pairs) -> tuple[int, ...]:
@@ -96,6 +98,6 @@ def dims_of(pairs: Pairs) -> tuple[int, ...]:
     return tuple(sorted({d for _, d in pairs}))
 
 
-def describe(graph: nx.DiGraph, pairs: Pairs) -> str:
-    names: list[str] = graph.graph["inputs"]
+def describe(captured: Captured, pairs: Pairs) -> str:
+    names = captured.inputs
     return ", ".join(f"{names[i]}[{d}]" for i, d in sorted(pairs))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.app.cli.args import (
     DTYPES,
@@ -17,6 +17,9 @@ from pipeline.app.cli.args import (
     sizes,
 )
 from pipeline.app.cli.model_arg import model_and_inputs
+
+if TYPE_CHECKING:
+    from partitioner import Captured
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -108,10 +111,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     model, inputs = model_and_inputs(args)
     profiled_batch = int(inputs[0].shape[0])
     progress(f"capturing and profiling {args.model} on microbatches of {profiled_batch} ...")
-    graph = capture(model, inputs)
-    profile(graph, model, inputs, device=args.device)
+    captured = capture(model, inputs)
+    profile(captured, model, inputs, device=args.device)
     result = search(
-        graph,
+        captured,
         world_size=args.world_size,
         batch_size=args.batch_size or profiled_batch * args.world_size,
         profiled_batch=profiled_batch,
@@ -130,17 +133,17 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"best schedule ({best.schedule}, pp={best.pp}, m={best.microbatches}), one line "
               f"per rank:\n{best.built.to_text()}")
     if args.out is not None:
-        _draw(args, graph, best, profiled_batch, result.batch_size)
+        _draw(args, captured, best, profiled_batch, result.batch_size)
     return 0
 
 
-def _draw(args: argparse.Namespace, graph: Any, best: Any, profiled_batch: int,
+def _draw(args: argparse.Namespace, captured: Captured, best: Any, profiled_batch: int,
           batch_size: int) -> None:
     """The best candidate's schedule text, predicted timeline, memory plot and trace."""
     from pipeline.planning.autoplan import predicted
     from viz import plot_memory, plot_timeline, to_chrome_trace
 
-    schedule, timeline = predicted(graph, best, batch_size, profiled_batch,
+    schedule, timeline = predicted(captured, best, batch_size, profiled_batch,
                                    latency=args.latency)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -102,21 +102,23 @@ def _run_profile(args: argparse.Namespace) -> int:
     shapes = " ".join("x".join(str(d) for d in x.shape) for x in inputs)
     started = time.perf_counter()
     progress(f"capturing {args.model} on input {shapes} ...")
-    graph = capture(model, inputs)
-    progress(f"captured {graph.number_of_nodes()} nodes in {time.perf_counter() - started:.1f} s")
+    captured = capture(model, inputs)
+    progress(f"captured {len(captured)} nodes in {time.perf_counter() - started:.1f} s")
     if args.balance == "profile":
         started = time.perf_counter()
         progress(f"profiling on {args.device} ({args.repeats} timed runs per node) ...")
-        profile(graph, model, inputs, device=args.device, repeats=args.repeats)
+        profile(captured, model, inputs, device=args.device, repeats=args.repeats)
         progress(f"profiled in {time.perf_counter() - started:.1f} s")
-    plan = partition(graph, args.stages, args.balance, bandwidth=args.bandwidth)
+    plan = partition(captured, args.stages, args.balance, bandwidth=args.bandwidth)
     print(plan)
     if args.out is None:
         print("(add --out DIR to write partition.png and plan.json)")
         return 0
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    plot_partition(plan, out / "partition.png", graph=graph, title=f"{args.model}: {shapes}")
+    plot_partition(
+        plan, out / "partition.png", graph=captured.graph, title=f"{args.model}: {shapes}"
+    )
     (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     print(f"wrote {out / 'partition.png'} and {out / 'plan.json'}")
     return 0
