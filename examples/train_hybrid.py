@@ -13,7 +13,8 @@ the losses do not depend on the layout. A `pipeline.Checkpointer` saves every --
 steps (keeping --keep versions, asynchronously with --async-save) and, at start, resumes from
 the live checkpoint of --checkpoint if there is one (at any layout). Under
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --max-restarts 3 ...`` a run that
-loses a machine restarts on the survivors and carries on (tests/test_elastic_fault.py).
+loses a machine restarts on the survivors and carries on
+(tests/pipeline/elastic/test_elastic_fault.py).
 ``--stages auto`` lets the auto-planner choose (stages, data_parallel) for the world. Several
 nodes: see pipeline.execution.distributed.
 """

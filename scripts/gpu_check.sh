@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with one CUDA GPU (at most 8 minutes: the per-check limits
-# below add up to 480 s). It runs tests/test_cuda.py (the stream layer; the local executor on
-# CUDA streams for four schedules; bf16 and fp16 mixed precision on CUDA against the unsplit
-# model under torch.autocast("cuda") and torch.amp.GradScaler; Llama captured on CPU then run
+# below add up to 480 s). It runs tests/pipeline/execution/test_cuda.py (the stream layer; the
+# local executor on CUDA streams for four schedules; bf16 and fp16 mixed precision on CUDA
+# against the unsplit model under torch.autocast("cuda") and torch.amp.GradScaler; Llama captured on CPU then run
 # on CUDA, exact in float64; an autocast block captured on CPU that must run under CUDA
 # autocast), the CPU mixed-precision tests, and a short bf16-vs-fp32 step timing on the GPU,
 # then prints a summary. Exits non-zero when a check fails, times out or is skipped (a skipped
@@ -64,10 +64,10 @@ except ImportError:
     print("transformers missing: the Llama check will fail")
 PYEOF
 
-check cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py
+check cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/pipeline/execution/test_cuda.py
 
 check precision-cpu 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" \
-  tests/test_precision.py
+  tests/pipeline/execution/test_precision.py
 
 check bf16-timing 60 "$PY" - <<'PYEOF'
 """bf16 against fp32 on CUDA, two ranks on one GPU (informational timing; checks finite

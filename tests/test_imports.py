@@ -7,7 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+
 PACKAGES = ("pipeline", "partitioner", "scheduler", "viz")
 
 # What each layer may import of ours besides itself (docs/architecture.md, "The folders and

@@ -1,0 +1,146 @@
+"""Activation policies per stage (pipeline.execution.activations): the accepted values and the
+errors for the others; every policy ("none", "full", "selective", "offload", a list mixing
+them, a Selective with its own op list) trains exactly as the unsplit model in float64 under
+a plain, a split-backward and an interleaved schedule; dropout draws the same numbers when
+recomputed; and a stage's forward is recomputed block by block."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline import Pipeline
+from pipeline.execution.activations import Selective
+from pipeline.execution.activations.blocks import BlockChain, block_key
+from pipeline.planning import planner
+from tests.support.capture_memo import memo_capture
+from tests.support.models import lm_loss, make_model
+
+ATOL = 1e-10
+_CAPTURE = memo_capture()
+
+
+@pytest.fixture(autouse=True)
+def _capture_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planner, "capture", _CAPTURE)
+
+
+@pytest.fixture(scope="module")
+def gpt() -> tuple[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    model = make_model()
+    x, y = torch.randint(0, 32, (8, 6)), torch.randint(0, 32, (8, 6))
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    want = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()
+                                      if p.grad is not None}}
+    model.zero_grad(set_to_none=True)
+    return model, x, y, want
+
+
+def _check(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, want: dict[str, Any]) -> None:
+    pipe.module.zero_grad(set_to_none=True)
+    torch.testing.assert_close(pipe.step(x, y), want["loss"], atol=ATOL, rtol=0)
+    for name, p in pipe.module.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad, want[name], atol=ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "Full", 2, None, [], ["full", "always"]])
+def test_other_values_are_refused_naming_the_accepted_ones(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"checkpoint_activations=.*'none', 'full', "
+                       r"'selective', 'offload'.*True.*False.*one of those per stage"):
+        Pipeline(nn.Linear(2, 2), 2, checkpoint_activations=bad)
+
+
+def test_a_list_needs_one_policy_per_stage(gpt: Any) -> None:
+    model, x, y, _ = gpt
+    pipe = Pipeline(model, 2, microbatches=2, loss_fn=lm_loss, balance="uniform",
+                    checkpoint_activations=["full", "none", "selective"])
+    with pytest.raises(ValueError, match=r"3 policies for 2 stages; give one per stage"):
+        pipe.step(x, y)
+
+
+def test_selective_takes_op_overloads() -> None:
+    with pytest.raises(TypeError, match="torch.ops.aten.mm.default"):
+        Selective(save=("mm",))  # type: ignore[arg-type]
+
+
+POLICIES: list[object] = [False, True, "none", "full", "selective", "offload",
+                          Selective(save=(torch.ops.aten.mm.default,))]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_every_policy_is_exact(gpt: Any, schedule: str, policy: object) -> None:
+    model, x, y, want = gpt
+    pipe = Pipeline(model, 2, schedule=schedule, microbatches=4, loss_fn=lm_loss,
+                    balance="uniform", checkpoint_activations=policy)
+    _check(pipe, x, y, want)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_one_policy_per_stage_is_exact(gpt: Any, schedule: str) -> None:
+    model, x, y, want = gpt
+    pipe = Pipeline(model, 2, schedule=schedule, microbatches=4, loss_fn=lm_loss,
+                    balance="uniform",
+                    checkpoint_activations=["selective", "offload", "full", "none"])
+    _check(pipe, x, y, want)
+    assert [str(p) for p in pipe._executor.activations] == [
+        "selective", "offload", "full", "none"]
+
+
+class _Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(F.gelu(self.fc(x)))
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_dropout_draws_the_same_numbers_when_recomputed(policy: str) -> None:
+    """One rank (one thread, so the RNG is drawn in a fixed order): the recomputing run equals
+    the run keeping its activations, dropout masks included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Noisy() for _ in range(3)]).double()
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    runs = []
+    for p in ("none", policy):
+        copy_ = copy.deepcopy(model)
+        pipe = Pipeline(copy_, 1, microbatches=3, loss_fn=F.mse_loss, balance="uniform",
+                        checkpoint_activations=p, example_input=x)
+        torch.manual_seed(1)
+        loss = pipe.step(x, y)
+        runs.append((loss, [q.grad for q in copy_.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    torch.testing.assert_close(loss_b, loss_a, atol=ATOL, rtol=0)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+    torch.manual_seed(1)
+    assert not torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5),
+                           torch.nn.functional.dropout(torch.ones(64), 0.5))  # it is random
+
+
+def test_a_stage_runs_as_one_block_per_transformer_layer(gpt: Any) -> None:
+    model, x, _, _ = gpt
+    pipe = Pipeline(model, 2, microbatches=2, loss_fn=lm_loss, balance="uniform",
+                    example_input=x)
+    keys = []
+    values: tuple[Any, ...] = (x[:4],)
+    for stage in pipe.stage_modules:
+        chain = BlockChain(stage)
+        keys.append([block_key(next(n for n in b.module.graph.nodes
+                                    if block_key(n) is not None)) for b in chain.blocks])
+        out = chain(*values, run=lambda m, *a: m(*a))
+        ref = stage(*values)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        values = ref
+    # The embedding (top-level ops), each layer, and the final norm with the head.
+    assert keys == [["", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", ""]]
