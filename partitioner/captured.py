@@ -90,6 +90,12 @@ class Captured:
         """The units' attributes by name (the graph's node view)."""
         return self.graph.nodes
 
+    def __repr__(self) -> str:
+        return (
+            f"Captured({type(self.model).__name__}, method={self.method!r}, "
+            f"{len(self.order)} units, inputs={list(self.inputs)})"
+        )
+
     def __len__(self) -> int:
         """The number of units."""
         return len(self.order)

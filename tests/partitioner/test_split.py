@@ -5,6 +5,7 @@ it; untraceable models fail with an error naming the construct and both ways out
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import torchvision
 from torch import nn
 
 from partitioner import CaptureError, StageModule, capture, partition, split_model
+from partitioner.capture import FRONT_ENDS
 from pipeline.app.models import GPT, SkipNet, TransformerBlock, mlp_stack
 
 
@@ -258,3 +260,28 @@ def test_deepcopy_of_a_stage_keeps_its_interface_and_owns_its_parameters() -> No
     assert all(map(torch.equal, copied(*inputs), stages[1](*inputs)))
     originals = {id(p) for p in model.parameters()}
     assert not any(id(p) in originals for p in copied.parameters())
+
+
+@pytest.mark.parametrize("method", ["export", "fx", "sequential"])
+def test_every_front_end_returns_the_same_record(method: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    captured = capture(model, (x,), sequential=True) if method == "sequential" else capture(
+        model, (x,), method=method
+    )
+    assert captured.method == method and method in FRONT_ENDS
+    assert captured.model is model and len(captured.inputs) == 1
+    # Per-unit attributes on the nodes only; everything else is a typed field.
+    assert captured.graph.graph == {}
+    assert list(captured.graph.nodes) == list(captured.order) and len(captured) > 1
+    assert [captured.nodes[v]["index"] for v in captured.order] == list(range(len(captured)))
+    value = captured.values[captured.inputs[0]]
+    assert value.bytes == x.numel() * 8 and value.tensor and value.shape == (3, 4)
+    assert (captured.dynamic_dim_names is None) == (method != "export")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        captured.order = ()  # type: ignore[misc]
+    copied = captured.copy()
+    copied.nodes[captured.order[0]]["forward_time"] = 1.0
+    assert "forward_time" not in captured.nodes[captured.order[0]]
+    stages = split_model(captured, partition(captured, 2, "uniform"))
+    assert torch.equal(run_chain(stages, (x,)), model(x))
