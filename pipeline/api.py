@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, Sampler
 from partitioner import Captured, Plan, StageModule
 from pipeline.elastic.layout import choose_layout
 from pipeline.execution.activations import Selective, check_policies
+from pipeline.execution.compiled import compile_options
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
 from pipeline.execution.loss_scale import LossScaler, Stepper
@@ -96,12 +97,16 @@ class Pipeline:
     - ``shard``: how replicas share their state (torchrun): None, "optimizer" (ZeRO-1) or
       "full" (FSDP2); build the optimizer with ``pipe.optimizer(...)``.
     - ``reduce_dtype``: the dtype of the data-parallel gradient average (default fp32).
+    - ``compile``: True, or a dict of torch.compile arguments (mode, backend, dynamic,
+      fullgraph, options): every stage's forward and backward run compiled, equal blocks
+      sharing one artefact; split-backward schedules keep B and W apart (docs/compile.md).
 
     Guides: docs/training.md (options and what a step guarantees), docs/capture.md (capture
     and real models), docs/schedules.md, docs/planning.md (cost model, profiling, auto-plan,
     simulate, rebalance), docs/precision-memory.md, docs/distributed.md (torchrun, data
     parallel, sharding), docs/big-models.md (meta models, init_fn), docs/checkpoints.md
-    (checkpoints, elastic training), docs/cli.md (the command line and pictures).
+    (checkpoints, elastic training), docs/cli.md (the command line and pictures),
+    docs/compile.md (compiled stages).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class Pipeline:
         dynamic_dims: Sequence[int] = (), init_fn: InitFn | str | None = None,
         grad_accumulation: str = "atomic",
         shard: str | None = None, reduce_dtype: torch.dtype | None = None,
+        compile: bool | dict[str, Any] = False,  # noqa: A002 - torch.compile's name
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -144,6 +150,7 @@ class Pipeline:
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
+        self._executor.compile = compile_options(compile)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
         self._setup = Setup.plan_for(

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from partitioner import StageModule
 from pipeline.execution.activations import Policy, stage_policies
+from pipeline.execution.compiled import CompileOptions, CompileStats, compiled_stage
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
@@ -54,6 +55,20 @@ class Executor(ABC):
         self.activations: tuple[Policy, ...] = ()  # each stage's policy, once loaded
         self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
         self.weights_checked = False  # no meta tensor held (checked before the first step)
+        self.compile: CompileOptions | None = None  # the Pipeline's compile= (set before `load`)
+        self.compile_stats = CompileStats()
+
+    def runnable(self, module: StageModule) -> nn.Module:
+        """What runs `module` in a step: the module itself, or its compiled form (compile=)."""
+        if self.compile is None:
+            return module
+        if self.shard == "full":
+            self.compile_stats.runs_eager(
+                f"stage {module.index}", "shard='full' gathers parameters in FSDP2 hooks on the "
+                "stage module, which the compiled stage does not call; use shard='optimizer' "
+                "or None to compile")
+            return module
+        return compiled_stage(module, self.compile, self.compile_stats)
 
     # -- set-up -----------------------------------------------------------------------------------
 

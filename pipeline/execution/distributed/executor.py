@@ -152,7 +152,7 @@ class DistributedExecutor(Executor):
             self.runtime = RankRuntime(
                 self.layout.pp_rank,
                 self._schedule,
-                self._mine,
+                {s: self.runnable(m) for s, m in self._mine.items()},
                 self.transport,
                 device=self.context.device,
                 loss_fn=self.loss_fn,

@@ -1,0 +1,78 @@
+"""`Pipeline(compile=...)`: the checked torch.compile settings (`CompileOptions`) and how a
+graph is compiled with them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+_KEYS = ("mode", "backend", "dynamic", "fullgraph", "options")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What `torch.compile` gets for every compiled graph of the stages."""
+
+    backend: str | Callable[..., Any] = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+    fullgraph: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def compile(self, gm: fx.GraphModule) -> Callable[..., Any]:
+        """`gm` compiled (lazily, on its first call, as torch.compile does)."""
+        return torch.compile(
+            gm, backend=self.backend, mode=self.mode, dynamic=self.dynamic,
+            fullgraph=self.fullgraph, options=dict(self.options) or None,
+        )
+
+    def key(self) -> tuple[Any, ...]:
+        """What distinguishes two settings' artefacts."""
+        backend = self.backend if isinstance(self.backend, str) else id(self.backend)
+        return (backend, self.mode, self.dynamic, self.fullgraph,
+                tuple(sorted(self.options.items())))
+
+
+def compile_options(value: object) -> CompileOptions | None:
+    """`Pipeline(compile=...)` checked: False/None (eager), True (torch.compile's defaults) or
+    a dict of torch.compile arguments (mode, backend, dynamic, fullgraph, options)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileOptions()
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"compile must be True, False or a dict of torch.compile arguments "
+            f"({', '.join(_KEYS)}), got {value!r} ({type(value).__name__})"
+        )
+    unknown = sorted(set(map(str, value)) - set(_KEYS))
+    if unknown:
+        raise ValueError(
+            f"compile got unknown torch.compile argument(s) {unknown}; use {', '.join(_KEYS)}"
+        )
+    if value.get("mode") is not None and value.get("options"):
+        raise ValueError(
+            "compile: give either mode or options (torch.compile takes one of them), not both"
+        )
+    backend = value.get("backend", "inductor")
+    if not (isinstance(backend, str) or callable(backend)):
+        raise TypeError(f"compile backend must be a name or a callable, got {backend!r}")
+    if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(
+            f"compile backend {backend!r} is not a torch.compile backend; use one of "
+            f"{torch._dynamo.list_backends()}"
+        )
+    mode = value.get("mode")
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"compile mode must be a string such as 'max-autotune', got {mode!r}")
+    dynamic = value.get("dynamic")
+    if dynamic not in (None, True, False):
+        raise TypeError(f"compile dynamic must be None, True or False, got {dynamic!r}")
+    fullgraph = value.get("fullgraph", False)
+    if not isinstance(fullgraph, bool):
+        raise TypeError(f"compile fullgraph must be True or False, got {fullgraph!r}")
+    return CompileOptions(backend, mode, dynamic, fullgraph, dict(value.get("options") or {}))

@@ -1,0 +1,246 @@
+"""Cut a stage's flat graph into regions, the pieces compiled one by one: one region per call
+of a repeated block (a child of a ModuleList or Sequential, e.g. ``blocks.3`` or
+``model.layers.0``) and one per run of the ops between blocks. Identical blocks give regions
+with the same canonical code (parameters and inputs as numbered placeholders, nodes renamed),
+so they share one compiled artefact and the compile time does not grow with depth.
+
+`outline` returns the regions and a driver graph: the stage's graph with each region replaced
+by one call of its runner, which the compiled stage runs instead of the stage's own code."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from partitioner.exported import is_symbolic
+
+_PLAIN = ("call_function", "call_method")
+
+
+@dataclass
+class Region:
+    """Nodes of the stage graph run as one compiled piece: `attrs` (get_attr nodes: weights,
+    buffers, constants), `inputs` (values from before the region) and `outputs` (values used
+    after it). `name` is the module path of the block (or the ops' first module)."""
+
+    name: str
+    nodes: list[fx.Node] = field(default_factory=list)
+    attrs: list[fx.Node] = field(default_factory=list)
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[fx.Node] = field(default_factory=list)
+    copied: list[fx.Node] = field(default_factory=list)  # symbolic sizes recomputed here
+    sizes: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # ... or re-read
+    eager_reason: str | None = None  # why this region cannot be compiled
+
+
+def block_key(node: fx.Node) -> str:
+    """The call of the outermost module that is an item of a container (path ending in an
+    index, with torch.export's call count for a module called more than once); '' outside."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for key, (path, _) in stack.items():
+        path = str(path)
+        if path and path.rpartition(".")[2].isdigit():
+            count = str(key).rpartition("@")[2] if "@" in str(key) else ""
+            return f"{path}@{count}" if count.isdigit() else path
+    return ""
+
+
+def _module_name(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(path) for path, _ in stack.values() if path]
+    return paths[0] if paths else "(model ops)"
+
+
+def _floating(node: fx.Node) -> bool:
+    """Symbolic-size arithmetic and value-less checks: recomputed where used, not a region's."""
+    if node.op not in _PLAIN:
+        return False
+    return is_symbolic(node) or ("val" in node.meta and node.meta["val"] is None)
+
+
+def _group(graph: fx.Graph) -> list[Region]:
+    regions: list[Region] = []
+    region_of: dict[fx.Node, Region] = {}
+    last_key: str | None = None
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr") or _floating(node):
+            continue
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(source, fx.Node) and source in region_of:
+            region = region_of[source]  # a tuple's items stay with the op returning it
+        else:
+            key = block_key(node)
+            if not regions or key != last_key or not key:
+                if not (regions and not key and not last_key):
+                    regions.append(Region(key or _module_name(node)))
+            last_key = key
+            region = regions[-1]
+            if node.op == "call_module":
+                region.eager_reason = (
+                    "it calls a module whole (torch.fx capture); capture with torch.export "
+                    "(capture_method='export') to compile it"
+                )
+        region.nodes.append(node)
+        region_of[node] = region
+    return regions
+
+
+def _sym_expr(node: fx.Node) -> Any:
+    value = node.meta.get("val")
+    return value.node.expr if isinstance(value, torch.SymInt) else None
+
+
+def _size_of(inputs: list[fx.Node], expr: Any) -> tuple[int, int] | None:
+    """(input index, dim) of the first input dim whose symbolic size is `expr`."""
+    for i, node in enumerate(inputs):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                return i, dim
+    return None
+
+
+def _needs(region: Region) -> None:
+    """Record what the region reads from outside: attributes and inputs, then the symbolic
+    sizes it uses, re-read from an input's shape where one has the size (so equal blocks
+    read it alike) and otherwise recomputed from what they need."""
+    members = set(region.nodes)
+    seen: set[fx.Node] = set()
+    floating: list[fx.Node] = []
+
+    def read(node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            if arg in members or arg in seen:
+                continue
+            seen.add(arg)
+            if arg.op == "get_attr":
+                region.attrs.append(arg)
+            elif _floating(arg):
+                floating.append(arg)
+            else:
+                region.inputs.append(arg)
+
+    for node in region.nodes:
+        read(node)
+    while floating:
+        node = floating.pop(0)
+        expr = _sym_expr(node)
+        found = None if expr is None else _size_of(region.inputs, expr)
+        if found is not None:
+            region.sizes[node] = found
+        else:
+            region.copied.append(node)
+            read(node)
+
+
+def regions_of(graph: fx.Graph) -> list[Region]:
+    """The graph's regions in order, each with its attrs, inputs and outputs."""
+    regions = _group(graph)
+    for region in regions:
+        _needs(region)
+    used_later: set[fx.Node] = set()
+    for region in regions:
+        used_later.update(region.inputs)
+    output = next(n for n in graph.nodes if n.op == "output")
+    used_later.update(output.all_input_nodes)
+    for region in regions:
+        region.outputs = [n for n in region.nodes if n in used_later]
+    return regions
+
+
+def canonical(region: Region) -> fx.GraphModule:
+    """The region as a module of its own: placeholders a0.. (attrs), x0.. (inputs), nodes
+    n0.., returning the tuple of its outputs. Equal blocks give equal code."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(region.attrs):
+        env[node] = graph.placeholder(f"a{i}")
+    for i, node in enumerate(region.inputs):
+        env[node] = graph.placeholder(f"x{i}")
+    names = (f"n{i}" for i in itertools.count())
+
+    def emit(node: fx.Node) -> fx.Node:
+        """The node in the new graph, its symbolic-size arguments first (each just before
+        its first use, so the code does not depend on where the stage graph held them)."""
+        if node in env:
+            return env[node]
+        if node in region.sizes:
+            i, dim = region.sizes[node]
+            env[node] = graph.call_function(
+                torch.ops.aten.sym_size.int, (env[region.inputs[i]], dim), name=next(names)
+            )
+        else:
+            args = fx.node.map_arg(node.args, emit)
+            kwargs = fx.node.map_arg(node.kwargs, emit)
+            env[node] = graph.create_node(node.op, node.target, args, kwargs, name=next(names))
+        env[node].meta = {k: v for k, v in node.meta.items() if k == "val"}
+        return env[node]
+
+    for node in region.nodes:
+        emit(node)
+    outs = []
+    for node in region.outputs:
+        out = env[node]
+        if _is_alias(node):  # AOTAutograd traces outputs that are not views of one another
+            out = graph.call_function(torch.ops.aten.clone.default, (out,))
+        outs.append(out)
+    graph.output(tuple(outs))
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _is_alias(node: fx.Node) -> bool:
+    """Whether the node's value may be a view of another value (a view op, or an item of a
+    tuple of views such as split's)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None for r in target._schema.returns)
+
+
+def outline(
+    gm: fx.GraphModule, regions: list[Region], runners: list[Callable[..., Any]]
+) -> fx.GraphModule:
+    """`gm` with each region replaced by ``runners[k](*attrs, *inputs)`` (a tuple of its
+    outputs): the driver of the compiled stage. Attributes are read from `gm` at call time."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    source = gm.graph
+    start = {r.nodes[0]: (r, run) for r, run in zip(regions, runners, strict=True) if r.nodes}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # a get_attr or symbolic size used after the last region
+            env[node] = graph.node_copy(node, lookup)
+        return env[node]
+
+    for node in source.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node)
+        elif node in start:
+            region, run = start[node]
+            args = [lookup(a) for a in (*region.attrs, *region.inputs)]
+            call = graph.call_function(run, tuple(args))
+            for i, out in enumerate(region.outputs):
+                env[out] = graph.call_function(operator.getitem, (call, i))
+        elif node.op == "output":
+            graph.output(fx.node.map_arg(node.args[0], lookup))
+    graph.set_codegen(source._codegen)
+    graph.lint()
+    driver = fx.GraphModule(gm, graph, f"{type(gm).__name__}Driver")
+    # The driver holds the stage's own modules, parameters and buffers (the same dicts, not
+    # copies), so the step's private leaves swapped into the stage are what it reads.
+    for slot in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        driver.__dict__[slot] = gm.__dict__[slot]
+    if hasattr(gm, "_out_spec"):
+        driver._out_spec = gm._out_spec
+    return driver

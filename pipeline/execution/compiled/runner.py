@@ -1,0 +1,283 @@
+"""Running a region compiled: `RegionRunner` is what the compiled stage's driver calls for one
+region. For a training call it runs `RegionFunction`, an autograd node whose forward is the
+region's compiled forward graph and whose backward picks, from what the engine will execute,
+the compiled whole backward (both input and weight grads wanted), the compiled input-grad graph
+(B of a split backward: it keeps the values W needs on the node) or the compiled weight-grad
+graph (W: it starts from what B kept). Artefacts are cached process-wide by the region's
+canonical code and input signature, so equal blocks, and later Pipelines of the same model,
+reuse them.
+
+A region that cannot be traced, or a graph whose compilation fails, runs eager, with a warning
+naming it and why; never silently, and never by failing the step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+from torch.autograd.graph import saved_tensors_hooks
+
+from pipeline.execution.compiled.joint import JointGraphs, trace_joint
+from pipeline.execution.compiled.options import CompileOptions
+from pipeline.execution.compiled.regions import Region, canonical
+
+log = logging.getLogger("hybridpipe")
+
+
+@dataclass
+class CompileStats:
+    """Compile work of one Pipeline's stages: graphs compiled (and seconds spent tracing and
+    compiling them), region calls served by an artefact another region compiled, and the
+    regions or graphs that run eager with the reason."""
+
+    seconds: float = 0.0
+    graphs: int = 0
+    reused: int = 0
+    eager: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, seconds: float, graphs: int = 0) -> None:
+        with self.lock:
+            self.seconds += seconds
+            self.graphs += graphs
+
+    def runs_eager(self, what: str, reason: str) -> None:
+        with self.lock:
+            if what in self.eager:
+                return
+            self.eager[what] = reason
+        message = f"hybridpipe compile: {what} runs eager: {reason}"
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
+
+
+class _Compiled:
+    """One graph and its compiled form: the first call compiles (timed into the stats); if
+    compiling fails the graph runs as it is from then on, with a warning."""
+
+    def __init__(self, gm: fx.GraphModule, options: CompileOptions, what: str) -> None:
+        self.gm = gm
+        self.what = what
+        self.compiled: Callable[..., Any] = options.compile(gm)
+        self.run: Callable[..., Any] | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, stats: CompileStats, *args: Any) -> Any:
+        run = self.run
+        if run is not None:
+            return run(*args)
+        with self.lock:
+            if self.run is None:
+                start = time.perf_counter()
+                try:
+                    result = self.compiled(*args)
+                    self.run = self.compiled
+                except Exception as err:  # noqa: BLE001 - a compiler failure must not fail the step
+                    stats.runs_eager(self.what, f"torch.compile failed: {type(err).__name__}: "
+                                     f"{str(err).splitlines()[0] if str(err) else ''}")
+                    self.run = self.gm
+                    return self.gm(*args)
+                seconds = time.perf_counter() - start
+                stats.add(seconds, 1)
+                log.info("hybridpipe compile: %s compiled in %.1f s", self.what, seconds)
+                return result
+        return self.run(*args)
+
+
+class Artefact:
+    """A region's compiled graphs for one input signature (forward, and lazily the whole
+    backward, the input-grad and the weight-grad graphs)."""
+
+    def __init__(self, joint: JointGraphs, options: CompileOptions, name: str,
+                 stats: CompileStats) -> None:
+        self.joint = joint
+        self.name = name
+        self.stats = stats
+        self.forward = _Compiled(joint.forward, options, f"{name} forward")
+        self.backward = _Compiled(joint.backward, options, f"{name} backward")
+        split = joint.split
+        self.input_grad = (None if split is None else
+                           _Compiled(split.input_grad, options, f"{name} input-grad backward"))
+        self.weight_grad = (None if split is None else
+                            _Compiled(split.weight_grad, options, f"{name} weight-grad backward"))
+
+
+def _will_run(ctx: Any, indices: Sequence[int]) -> bool:
+    """Whether this backward call needs the grad of any of the inputs at `indices`."""
+    for i in indices:
+        node = ctx.next_functions[i][0]
+        if node is not None and torch._C._will_engine_execute_node(node):
+            return True
+    return False
+
+
+class RegionFunction(torch.autograd.Function):
+    """A compiled region as one autograd node (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, art: Artefact, device_type: str, *flat: Tensor) -> Any:
+        joint = art.joint
+        with torch.autocast(device_type, enabled=False):  # casts are in the traced graph
+            result = art.forward(art.stats, *flat)
+        outputs = result[: joint.num_outputs]
+        ctx.art, ctx.device_type, ctx.count, ctx.pending = art, device_type, len(flat), None
+        ctx.save_for_backward(*result[joint.num_outputs:])
+        ctx.mark_non_differentiable(
+            *(o for i, o in enumerate(outputs) if i not in joint.tangents)
+        )
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        art: Artefact = ctx.art
+        joint, split, stats = art.joint, art.joint.split, art.stats
+        saved = ctx.saved_tensors
+        tangents = [grads[i].contiguous() for i in joint.tangents]
+        out: list[Tensor | None] = [None] * ctx.count
+        with torch.autocast(ctx.device_type, enabled=False):
+            need_x = split is not None and _will_run(ctx, split.inputs)
+            need_w = split is not None and _will_run(ctx, split.weights)
+            if split is None or art.input_grad is None or art.weight_grad is None or (
+                need_x and need_w
+            ):
+                out = list(art.backward(stats, *saved, *tangents))
+            elif need_x:  # B: input grads now, what W needs kept on the node
+                got = art.input_grad(stats, *saved, *tangents)
+                n = len(split.inputs)
+                for i, g in zip(split.inputs, got[:n], strict=True):
+                    out[i] = g
+                every = (*saved, *tangents)
+                ctx.pending = ([every[i] for i in split.picked], list(got[n:]))
+            elif ctx.pending is not None:  # W after B: the weight grads only
+                picked, kept = ctx.pending
+                ctx.pending = None
+                got = art.weight_grad(stats, *picked, *kept)
+                for i, g in zip(split.weights, got, strict=True):
+                    out[i] = g
+            else:  # W without a B before it (e.g. re-walked under checkpointing)
+                whole = art.backward(stats, *saved, *tangents)
+                for i in split.weights:
+                    out[i] = whole[i]
+        return (None, None, *out)
+
+
+def _gate(t: Tensor) -> Tensor:
+    # A leaf is given a view, so the node's backward can ask the engine whether its grad is
+    # wanted (torch cannot answer that for a leaf inside autograd.grad).
+    return t.view_as(t) if t.requires_grad and t.grad_fn is None else t
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _signature(flat: Sequence[Any]) -> tuple[Any, ...]:
+    sig: list[Any] = []
+    for t in flat:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"a {type(t).__name__} value crosses the region boundary")
+        sig.append((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad))
+    return tuple(sig)
+
+
+def _autocast_state(device_type: str) -> tuple[Any, ...]:
+    if not torch.is_autocast_enabled(device_type):
+        return ()
+    return (torch.get_autocast_dtype(device_type),)
+
+
+_ARTEFACTS: dict[tuple[Any, ...], Artefact | _Compiled | str] = {}
+_TRACING = threading.Lock()
+_MAX_SIGNATURES = 8  # per region: beyond that, new shapes run eager (a warning says so)
+
+
+class RegionRunner:
+    """Called by the driver as ``runner(*attrs, *inputs)``; returns the region's outputs."""
+
+    def __init__(self, region: Region, options: CompileOptions, stats: CompileStats,
+                 where: str) -> None:
+        self.gm = canonical(region)
+        self.name = f"{where} region {region.name!r}"
+        self.options = options
+        self.stats = stats
+        self.attrs = len(region.attrs)
+        self.code = self.gm.code
+        self.constants = tuple(id(c) for n in self.gm.graph.nodes for c in (*n.args, *n.kwargs.values())
+                               if isinstance(c, Tensor))
+        self.signatures: set[tuple[Any, ...]] = set()
+        self.eager = region.eager_reason
+        if self.eager is not None:
+            stats.runs_eager(self.name, self.eager)
+        self.__name__ = f"compiled_{region.name.replace('.', '_').replace('@', '_')}"
+
+    def __call__(self, *flat: Any) -> Any:
+        if self.eager is not None:
+            return self.gm(*flat)
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for t in flat
+        )
+        device_type = next((t.device.type for t in flat if isinstance(t, Tensor)), "cpu")
+        try:
+            art = self._artefact(flat, training, device_type)
+        except Exception as err:  # noqa: BLE001 - a region that cannot be traced runs eager
+            self.eager = f"it could not be traced for compilation ({type(err).__name__}: " \
+                         f"{str(err).splitlines()[0] if str(err) else ''})"
+            self.stats.runs_eager(self.name, self.eager)
+            return self.gm(*flat)
+        if isinstance(art, str):
+            return self.gm(*flat)
+        if isinstance(art, _Compiled):
+            with torch.autocast(device_type, enabled=False):
+                return art(self.stats, *flat)
+        return RegionFunction.apply(art, device_type, *map(_gate, flat))
+
+    def _artefact(self, flat: Sequence[Any], training: bool, device_type: str) -> Any:
+        key = (self.code, self.constants, self.options.key(), _signature(flat), training,
+               _autocast_state(device_type))
+        art = _ARTEFACTS.get(key)
+        if art is not None:
+            if key not in self.signatures:
+                self.signatures.add(key)
+                with self.stats.lock:
+                    self.stats.reused += 1
+            return art
+        with _TRACING:
+            art = _ARTEFACTS.get(key)
+            if art is None:
+                if len(self.signatures) >= _MAX_SIGNATURES:
+                    self.stats.runs_eager(
+                        f"{self.name} (new input shapes)",
+                        f"it was compiled for {_MAX_SIGNATURES} input shapes already; give "
+                        "batches of fewer distinct shapes (e.g. pad to a few lengths)")
+                    return "eager"
+                art = _ARTEFACTS[key] = self._build(flat, training, device_type)
+            self.signatures.add(key)
+        return art
+
+    def _build(self, flat: Sequence[Tensor], training: bool, device_type: str) -> Any:
+        if not training:
+            return _Compiled(self.gm, self.options, f"{self.name} (forward only)")
+        start = time.perf_counter()
+        args = [t.detach().requires_grad_(t.requires_grad) for t in flat]
+        # Saved tensors of the probe and the trace bypass the caller's hooks (an activation
+        # checkpoint counts the tensors its forward saves).
+        with torch.enable_grad(), saved_tensors_hooks(_same, _same):
+            outputs = self.gm(*args)
+            differentiable = [isinstance(o, Tensor) and o.requires_grad for o in outputs]
+            weights = [i for i in range(self.attrs) if flat[i].requires_grad]
+            joint = trace_joint(lambda *a: tuple(self.gm(*a)), args, differentiable, weights)
+        for node in joint.forward.graph.nodes:
+            if node.op == "output":
+                saved = node.args[0][joint.num_outputs:]
+                if any(not isinstance(n.meta.get("val"), Tensor) for n in saved):
+                    raise RuntimeError("the forward keeps non-tensor values for the backward")
+        self.stats.add(time.perf_counter() - start)
+        return Artefact(joint, self.options, self.name, self.stats)

@@ -1,0 +1,29 @@
+"""`compiled_stage`: a stage module whose forward and backward run compiled. The stage graph is
+cut into regions (pipeline.execution.compiled.regions), each run by a `RegionRunner`
+(pipeline.execution.compiled.runner) from a driver graph that holds the stage's own modules,
+parameters and buffers, so everything that reads or swaps the stage's parameters (the step's
+private leaves, state dicts, optimizers) sees the same tensors."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from partitioner import StageModule
+from pipeline.execution.compiled.options import CompileOptions
+from pipeline.execution.compiled.regions import outline, regions_of
+from pipeline.execution.compiled.runner import CompileStats, RegionRunner
+
+
+def compiled_stage(
+    stage: StageModule, options: CompileOptions, stats: CompileStats
+) -> fx.GraphModule:
+    """A module that runs `stage` (same inputs, outputs, parameters and their names) through
+    compiled regions."""
+    regions = regions_of(stage.graph)
+    where = f"stage {stage.index}"
+    runners = [RegionRunner(region, options, stats, where) for region in regions]
+    driver = outline(stage, regions, runners)
+    driver.input_names = list(stage.input_names)  # type: ignore[assignment]
+    driver.output_names = list(stage.output_names)  # type: ignore[assignment]
+    driver.index = stage.index  # type: ignore[assignment]
+    return driver
