@@ -52,6 +52,8 @@ def trace_joint(
     forward and backward, and cut the graphs. `weights`: the primal indices that are weights
     (the others needing a grad are inputs); with both present the backward is also split."""
     joint = aot_export_joint_simple(fn, tuple(args), trace_joint=True)
+    if not isinstance(joint, fx.GraphModule):
+        raise TypeError(f"the joint trace gave a {type(joint).__name__}, not a graph")
     num_outputs = len(differentiable)
     forward, backward = min_cut_rematerialization_partition(
         joint, tuple(args), num_fwd_outputs=num_outputs

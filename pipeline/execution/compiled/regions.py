@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +209,7 @@ def _is_alias(node: fx.Node) -> bool:
 
 
 def outline(
-    gm: fx.GraphModule, regions: list[Region], runners: list[Callable[..., Any]]
+    gm: fx.GraphModule, regions: Sequence[Region], runners: Sequence[Callable[..., Any]]
 ) -> fx.GraphModule:
     """`gm` with each region replaced by ``runners[k](*attrs, *inputs)`` (a tuple of its
     outputs): the driver of the compiled stage. Attributes are read from `gm` at call time."""

@@ -17,12 +17,12 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 
 from pipeline.execution.compiled.joint import JointGraphs, trace_joint
@@ -81,8 +81,7 @@ class _Compiled:
                     result = self.compiled(*args)
                     self.run = self.compiled
                 except Exception as err:  # noqa: BLE001 - a compiler failure must not fail the step
-                    stats.runs_eager(self.what, f"torch.compile failed: {type(err).__name__}: "
-                                     f"{str(err).splitlines()[0] if str(err) else ''}")
+                    stats.runs_eager(self.what, f"torch.compile failed ({_reason(err)})")
                     self.run = self.gm
                     return self.gm(*args)
                 seconds = time.perf_counter() - start
@@ -108,6 +107,17 @@ class Artefact:
                            _Compiled(split.input_grad, options, f"{name} input-grad backward"))
         self.weight_grad = (None if split is None else
                             _Compiled(split.weight_grad, options, f"{name} weight-grad backward"))
+
+
+def _reason(err: Exception) -> str:
+    """An error in a line: in-place updates of inputs or buffers said plainly (AOTAutograd's
+    own message prints its whole metadata)."""
+    text = str(err)
+    if "input mutations" in text:
+        return ("it updates an input or a buffer in place, e.g. BatchNorm's running "
+                "statistics; AOTAutograd's joint trace takes functional regions only")
+    first = text.splitlines()[0] if text else ""
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 def _will_run(ctx: Any, indices: Sequence[int]) -> bool:
@@ -210,8 +220,10 @@ class RegionRunner:
         self.stats = stats
         self.attrs = len(region.attrs)
         self.code = self.gm.code
-        self.constants = tuple(id(c) for n in self.gm.graph.nodes for c in (*n.args, *n.kwargs.values())
-                               if isinstance(c, Tensor))
+        self.constants = tuple(  # tensors held in the code itself: not told apart by it
+            id(c) for n in self.gm.graph.nodes for c in (*n.args, *n.kwargs.values())
+            if isinstance(c, Tensor)
+        )
         self.signatures: set[tuple[Any, ...]] = set()
         self.eager = region.eager_reason
         if self.eager is not None:
@@ -228,8 +240,7 @@ class RegionRunner:
         try:
             art = self._artefact(flat, training, device_type)
         except Exception as err:  # noqa: BLE001 - a region that cannot be traced runs eager
-            self.eager = f"it could not be traced for compilation ({type(err).__name__}: " \
-                         f"{str(err).splitlines()[0] if str(err) else ''})"
+            self.eager = f"it could not be traced for compilation ({_reason(err)})"
             self.stats.runs_eager(self.name, self.eager)
             return self.gm(*flat)
         if isinstance(art, str):
@@ -267,10 +278,13 @@ class RegionRunner:
             return _Compiled(self.gm, self.options, f"{self.name} (forward only)")
         start = time.perf_counter()
         args = [t.detach().requires_grad_(t.requires_grad) for t in flat]
-        # Saved tensors of the probe and the trace bypass the caller's hooks (an activation
-        # checkpoint counts the tensors its forward saves).
+        # Which outputs need a grad, from a run on fake tensors (no side effects, such as a
+        # running statistic updated twice). Saved tensors of the probe and the trace bypass
+        # the caller's hooks (an activation checkpoint counts the tensors its forward saves).
         with torch.enable_grad(), saved_tensors_hooks(_same, _same):
-            outputs = self.gm(*args)
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                probe = [fake.from_tensor(t).requires_grad_(t.requires_grad) for t in args]
+                outputs = self.gm(*probe)
             differentiable = [isinstance(o, Tensor) and o.requires_grad for o in outputs]
             weights = [i for i in range(self.attrs) if flat[i].requires_grad]
             joint = trace_joint(lambda *a: tuple(self.gm(*a)), args, differentiable, weights)
