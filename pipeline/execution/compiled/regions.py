@@ -230,8 +230,12 @@ def outline(
             region, run = start[node]
             args = [lookup(a) for a in (*region.attrs, *region.inputs)]
             call = graph.call_function(run, tuple(args))
+            # The block's module, so an activation policy recomputes region by region.
+            stack = {"nn_module_stack": node.meta.get("nn_module_stack", {})}
+            call.meta.update(stack)
             for i, out in enumerate(region.outputs):
                 env[out] = graph.call_function(operator.getitem, (call, i))
+                env[out].meta.update(stack)
         elif node.op == "output":
             graph.output(fx.node.map_arg(node.args[0], lookup))
     graph.set_codegen(source._codegen)

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from pipeline import Pipeline
-from pipeline.app.models import GPT
 from pipeline.execution.compiled import compile_options
 from pipeline.execution.compiled.joint import trace_joint
 from scheduler import SCHEDULES
-from tests.real_models import SPECS, build, check_step
+from tests.support.models import lm_loss, make_model
+from tests.support.real_models import SPECS, build, check_step
 
 ATOL = 1e-12
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
@@ -56,15 +56,6 @@ class Recorder:
 
 
 RECORDER = Recorder()  # one backend for the module: artefacts are shared between tests
-
-
-def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
-
-
-def _gpt() -> nn.Module:
-    torch.manual_seed(0)
-    return GPT(vocab=32, dim=16, layers=4, heads=2, max_seq=16).double()
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +121,7 @@ def test_split_backward_graphs() -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
-    model = _gpt()
+    model = make_model()
     x, y = _batch()
     loss = lm_loss(model(x), y)
     loss.backward()
@@ -140,7 +131,7 @@ def reference() -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_compiled_schedules_exact(schedule: str, reference: dict[str, Any]) -> None:
-    model = _gpt()
+    model = make_model()
     x, y = _batch()
     pipe = _compiled(model, schedule)
     calls, matmuls = RECORDER.calls, RECORDER.matmuls
@@ -164,7 +155,7 @@ def test_compiled_schedules_exact(schedule: str, reference: dict[str, Any]) -> N
 def test_equal_blocks_share_one_artefact() -> None:
     """The four blocks (two per stage) compile one forward and one backward together; a
     second Pipeline of the model compiles nothing new."""
-    model = _gpt()
+    model = make_model()
     x, y = _batch()
     pipe = _compiled(model, "1f1b", example_input=x)
     regions = [r for s in pipe._executor.runtimes for m in s.stages.values()
@@ -173,7 +164,7 @@ def test_equal_blocks_share_one_artefact() -> None:
         "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "tok"]
     assert len({r.code for r in regions if "blocks" in r.name}) == 1
     pipe.step(x, y)
-    again = _compiled(_gpt(), "1f1b")
+    again = _compiled(make_model(), "1f1b")
     again.step(x, y)
     assert _stats(again).graphs == 0 and _stats(again).reused == 6
 
@@ -204,19 +195,20 @@ def test_compiled_real_models(name: str, schedule: str, microbatches: int) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", ["checkpoint", "bf16"])
+@pytest.mark.parametrize("setting", ["full", "selective", "offload", "bf16"])
 def test_compiled_equals_eager_pipeline(setting: str) -> None:
-    """Activation checkpointing and bf16 autocast: the compiled step equals the eager
-    pipeline's (bf16: the casts are in the traced graph, and nothing is cast twice)."""
+    """Activation policies (recomputed region by region) and bf16 autocast: the compiled
+    step equals the eager pipeline's (bf16: the casts are in the traced graph, and nothing
+    is cast twice)."""
     kwargs: dict[str, Any] = (
-        {"checkpoint_activations": True} if setting == "checkpoint"
-        else {"mixed_precision": torch.bfloat16}
+        {"mixed_precision": torch.bfloat16} if setting == "bf16"
+        else {"checkpoint_activations": setting}
     )
-    dtype = torch.float64 if setting == "checkpoint" else torch.float32
+    dtype = torch.float32 if setting == "bf16" else torch.float64
     x, y = _batch()
     results = []
     for options in (False, {"backend": RECORDER}):
-        model = _gpt().to(dtype)
+        model = make_model().to(dtype)
         pipe = Pipeline(model, 2, schedule="zb-h1", microbatches=4, loss_fn=lm_loss,
                         compile=options, **kwargs)
         calls = RECORDER.calls
@@ -234,7 +226,7 @@ def test_compiled_equals_eager_pipeline(setting: str) -> None:
 def test_new_shapes_and_forward_only() -> None:
     """A batch of another length compiles its shapes; forward only (no grad) runs
     the compiled forward too; both equal the unsplit model."""
-    model = _gpt()
+    model = make_model()
     ref = copy.deepcopy(model)
     pipe = _compiled(model, "1f1b")
     torch.manual_seed(2)
