@@ -44,8 +44,8 @@ from pipeline.facade.state import ModelState
 from pipeline.planning.autoplan import AutoPlan
 from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import StageCosts
+from pipeline.planning.decision import Decision
 from pipeline.planning.microbatch import Batch
-from pipeline.planning.planner import Planned
 from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule, Timeline
 
@@ -153,7 +153,7 @@ class Pipeline:
         self._executor.compile = compile_options(compile)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
-        self._setup = Setup.plan_for(
+        self._setup = Setup.agreed(
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
             leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
@@ -162,14 +162,14 @@ class Pipeline:
         self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
         self._metrics = Metrics()
         if example_input is not None:
-            self._setup.setup(self._setup.as_args(example_input))
+            self._setup.plan_on(example_input)
 
-    def _load(self, planned: Planned) -> None:
+    def _load(self, decision: Decision) -> None:
         """Give a plan to the executor with this Pipeline's (current) loss and settings."""
         # What the FLOP count needs, while this process still holds the whole model.
-        self._metrics.flop_count.snapshot(planned.captured.graph_module, planned.example)
+        self._metrics.flop_count.snapshot(decision.captured.graph_module, decision.example)
         self._executor.load(
-            planned, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
+            decision, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
         )
         self._model_state.initialise()
 
@@ -178,7 +178,7 @@ class Pipeline:
     @property
     def microbatches(self) -> int | None:
         """Microbatches per batch (None until the first batch when not given)."""
-        return self._setup.planner.microbatches
+        return self._setup.microbatches
 
     @property
     def balance(self) -> str | Sequence[int]:
@@ -204,14 +204,15 @@ class Pipeline:
                 "building the Pipeline, or call pipe(x) for forward only"
             )
         start = time.perf_counter()
-        args = self._setup.args(x)
+        inputs = self._setup.inputs(x, whole=True)
         with self._executor.precision.calling("Pipeline.step", self._device_types):
-            result = run_step(self._executor, self.parameters(), args, y,
+            result = run_step(self._executor, self.parameters(), inputs, y,
                               in_place=self.grad_accumulation == "in_place")
         self._measured.record(result.trace)
         if result.loss is None:
             raise RuntimeError("the executor returned no loss from the last stage")
-        self._metrics.after_step(self._executor, self._setup.require_plan(), args, y, result.loss,
+        self._metrics.after_step(self._executor, self._setup.require_plan(), inputs, y,
+                                 result.loss,
                                  result.trace, time.perf_counter() - start)
         return result.loss
 
@@ -239,7 +240,7 @@ class Pipeline:
         ``torch.no_grad()`` no graph is kept; otherwise the output stays connected to the
         parameters (a backward through it runs unpipelined)."""
         with self._executor.precision.calling("Pipeline.forward", self._device_types):
-            return self._executor.forward(self._setup.args(x))
+            return self._executor.forward(self._setup.inputs(x, whole=False))
 
     __call__ = forward
 
@@ -264,7 +265,7 @@ class Pipeline:
         devices = [d for d in self.devices if d.type == "cuda"]
         with self._executor.precision.calling("Pipeline.evaluate", self._device_types), \
                 torch.random.fork_rng(devices=devices):
-            loss, outputs = self._executor.evaluate(self._setup.args(x), y)
+            loss, outputs = self._executor.evaluate(self._setup.inputs(x, whole=False), y)
         if not return_outputs:
             return loss
         return loss, None if outputs is None else merge_outputs(outputs)
@@ -291,8 +292,8 @@ class Pipeline:
     def autoplan(self) -> AutoPlan | None:
         """The auto-planner's ranked candidates when a setting was "auto" (else None); for
         ``stages="auto"`` the (stages, data_parallel) layouts ranked for this world."""
-        self._setup.require_plan()  # the explanatory error before the first batch
-        return self._setup.planner.autoplan or self._layouts
+        auto = self._setup.require_plan().auto  # the explanatory error before the first batch
+        return auto.ranking if auto is not None else self._layouts
 
     @property
     def captured(self) -> Captured:
@@ -512,8 +513,9 @@ class Pipeline:
         return self._measured.resynthesized
 
     def __repr__(self) -> str:
-        planner = self._setup.planner
-        name = planner.schedule.name if planner.schedule is not None else planner.schedule_spec
+        planner, decision = self._setup.planner, self._setup.decision
+        schedule = decision.schedule if decision is not None else planner.schedule
+        name = schedule.name if schedule is not None else planner.schedule_spec
         return (
             f"Pipeline({type(self.module).__name__}, stages={self.stages}, schedule={name!r}, "
             f"microbatches={self.microbatches}, devices={[str(d) for d in self.devices]})"

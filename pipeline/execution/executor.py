@@ -24,14 +24,8 @@ from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.stage_io import weighted_loss
-from pipeline.planning.microbatch import (
-    batch_size,
-    merge_microbatches,
-    microbatch_sizes,
-    split_microbatches,
-    to_device,
-)
-from pipeline.planning.planner import Coordination, Planned
+from pipeline.planning.decision import Coordination, Decision
+from pipeline.planning.microbatch import Microbatches, batch_size, merge_microbatches
 from scheduler import Schedule
 
 if TYPE_CHECKING:
@@ -50,7 +44,7 @@ class Executor(ABC):
     shard: str | None = None
 
     def __init__(self) -> None:
-        self.planned: Planned | None = None
+        self.planned: Decision | None = None
         self.loss_fn: LossFn | None = None
         self.activations: tuple[Policy, ...] = ()  # each stage's policy, once loaded
         self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
@@ -73,7 +67,7 @@ class Executor(ABC):
     # -- set-up -----------------------------------------------------------------------------------
 
     def load(
-        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: object
+        self, planned: Decision, *, loss_fn: LossFn | None, checkpoint_activations: object
     ) -> None:
         """Take the plan: place the stages this process holds on their devices (freeing the
         others') and get ready to run. `checkpoint_activations`: the activation policy, one
@@ -194,65 +188,62 @@ class Executor(ABC):
 
     # -- running ----------------------------------------------------------------------------------
 
-    def run_step(self, args: tuple[Any, ...] | None, targets: Any) -> StepResult:
-        """Forward + backward of one batch: split into the schedule's microbatches (each
-        microbatch's loss weighted by its share of the batch), placed and run."""
+    def run_step(self, inputs: Microbatches | None, targets: Any) -> StepResult:
+        """Forward + backward of one batch, split into the schedule's microbatches (`inputs`;
+        the targets split alike here), each microbatch's loss weighted by its share of the
+        batch, placed and run."""
         self.check_weights()
         m = self._schedule.num_microbatches
         first, last = self.holds_first_stage, self.holds_last_stage
-        if first and args is None:
+        if first and inputs is None:
             raise ValueError(f"{self.describe()} holds stage 0: pass its inputs to step")
         if last and targets is None:
             raise ValueError(f"{self.describe()} holds the last stage: pass its targets to step")
-        n = batch_size(args, "inputs") if args is not None else None
         if targets is not None:
             n_targets = batch_size(targets, "targets")
-            if n is not None and n_targets != n:
+            if inputs is not None and n_targets != inputs.rows:
                 raise ValueError(
-                    f"targets have batch size {n_targets} but inputs have {n}; give one target "
-                    "per input sample (dim 0 of both must match)"
+                    f"targets have batch size {n_targets} but inputs have {inputs.rows}; give "
+                    "one target per input sample (dim 0 of both must match)"
                 )
-            n = n_targets
-        inputs = (
-            [tuple(to_device(a, self.input_device)) for a in split_microbatches(args, m, "inputs")]
-            if first and args is not None else None
+        placed = (
+            [tuple(part) for part in inputs.on(self.input_device)]
+            if first and inputs is not None else None
         )
-        ys = (
-            [to_device(t, self.target_device) for t in split_microbatches(targets, m, "targets")]
-            if last and targets is not None else None
+        ys = Microbatches.split(targets, m, "targets") if last and targets is not None else None
+        split = ys if ys is not None else inputs
+        weights = split.loss_weights() if last and split is not None else []
+        result = self._run_step(
+            placed, None if ys is None else ys.on(self.target_device), weights
         )
-        weights = [k / n for k in microbatch_sizes(n, m)] if last and n is not None else []
-        result = self._run_step(inputs, ys, weights)
-        apply_input_grads(inputs, result.input_grads)
+        apply_input_grads(placed, result.input_grads)
         return result
 
-    def forward(self, args: tuple[Any, ...] | None) -> Any:
-        """Forward only, in at most the schedule's microbatch count; the merged output where
-        the last stage runs, else None."""
-        outputs = self.forward_microbatches(args)
+    def forward(self, inputs: Microbatches | None) -> Any:
+        """Forward only, of a batch split into at most the schedule's microbatch count; the
+        merged output where the last stage runs, else None."""
+        outputs = self.forward_microbatches(inputs)
         return None if outputs is None else merge_outputs(outputs)
 
     def evaluate(
-        self, args: tuple[Any, ...] | None, targets: Any
+        self, inputs: Microbatches | None, targets: Any
     ) -> tuple[Tensor, list[Any] | None]:
         """Forward only without autograd, and the loss as `run_step` defines it (the sum of
         ``loss_fn(out_m, y_m) * n_m / n``, in fp32 under mixed precision) on every process,
         the mean over replicas; with the outputs per microbatch where the last stage runs."""
         with torch.no_grad():
-            outputs = self.forward_microbatches(args)
+            outputs = self.forward_microbatches(inputs)
             loss = None
             if outputs is not None:
                 if targets is None:
                     raise ValueError(
                         f"{self.describe()} holds the last stage: pass its targets to evaluate"
                     )
-                n = batch_size(targets, "targets")
-                ys = split_microbatches(targets, len(outputs), "targets")
-                sizes = microbatch_sizes(n, len(outputs))
+                ys = Microbatches.split(targets, len(outputs), "targets")
                 loss = torch.stack([
-                    weighted_loss(self.loss_fn, self.precision.loss_input(out),
-                                  to_device(y, self.target_device), k / n, mb)
-                    for mb, (out, y, k) in enumerate(zip(outputs, ys, sizes, strict=True))
+                    weighted_loss(self.loss_fn, self.precision.loss_input(out), y, w, mb)
+                    for mb, (out, y, w) in enumerate(zip(
+                        outputs, ys.on(self.target_device), ys.loss_weights(), strict=True))
                 ]).sum()
         return self.share_loss(loss), outputs
 
@@ -263,20 +254,16 @@ class Executor(ABC):
             raise RuntimeError("the process that holds the last stage computed no loss")
         return loss
 
-    def forward_microbatches(self, args: tuple[Any, ...] | None) -> list[Any] | None:
-        """Forward only, in at most the schedule's microbatch count; each microbatch's output
-        where the last stage runs, else None."""
+    def forward_microbatches(self, inputs: Microbatches | None) -> list[Any] | None:
+        """Forward only, of a batch split into at most the schedule's microbatch count; each
+        microbatch's output where the last stage runs, else None."""
         self.check_weights()
-        inputs = None
+        placed = None
         if self.holds_first_stage:
-            if args is None:
+            if inputs is None:
                 raise ValueError(f"{self.describe()} holds stage 0: pass its inputs to forward")
-            m = min(self._schedule.num_microbatches, batch_size(args, "inputs"))
-            inputs = [
-                tuple(to_device(a, self.input_device))
-                for a in split_microbatches(args, m, "inputs")
-            ]
-        outputs = self._run_forward(inputs)
+            placed = [tuple(part) for part in inputs.on(self.input_device)]
+        outputs = self._run_forward(placed)
         return outputs if self.holds_last_stage else None
 
     @abstractmethod

@@ -25,7 +25,7 @@ from pipeline.execution.executor import Executor, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.program import RankResult, StepResult
 from pipeline.execution.runtime import RankRuntime
-from pipeline.planning.planner import Coordination, decide_alone
+from pipeline.planning.decision import Coordination, decide_alone
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
 _POLL = 0.02  # seconds between abort checks while a worker waits for a tensor

@@ -5,10 +5,8 @@ schedule="auto", a schedule synthesised from measured costs (resynthesize)."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 
-from partitioner import split_model
 from pipeline.facade.setup import Setup
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
@@ -21,7 +19,7 @@ from pipeline.planning.calibration import (
     propose_rebalance,
 )
 from pipeline.planning.costs import StageCosts, costs_for_stages, predict
-from pipeline.planning.planner import Planned
+from pipeline.planning.decision import Decision
 from pipeline.planning.synthesis import Resynthesis, propose_schedule, running_limits
 from scheduler import Schedule, Timeline, build_schedule
 
@@ -70,9 +68,7 @@ class MeasuredSteps:
         return calibrate(self.setup.schedule, list(self.measured))
 
     def profiled_costs(self) -> StageCosts:
-        setup = self.setup
-        with setup.executor.precision.planning(setup.executor.devices):
-            return setup.planner.costs(setup.require_plan(), setup.executor.coordination)
+        return self.setup.costs()
 
     def simulate(
         self, schedule: Schedule | str | None, comm: float | None, calibrated: bool
@@ -86,7 +82,7 @@ class MeasuredSteps:
                 schedule, self.stages, self.setup.schedule.num_microbatches
             )
         target = schedule
-        planned = self.setup.planned
+        planned = self.setup.decision
         captured = planned.captured if planned is not None else None
         if target.num_stages != profiled.num_stages and (
             not self.setup.executor.coordination.keeps_whole_model or captured is None
@@ -121,10 +117,9 @@ class MeasuredSteps:
             raise ValueError(f"{what} works in one process: under torch.distributed {why}")
         return calibration
 
-    def _adopt(self, new: Planned) -> None:
+    def _adopt(self, new: Decision) -> None:
         """Run `new` from the next step on; the old traces describe the old plan."""
-        self.setup.load(new)
-        self.setup.planned = new
+        self.setup.adopt(new)
         self.measured.clear()
 
     def rebalance(self, threshold: float = 0.05) -> Rebalance:
@@ -140,10 +135,7 @@ class MeasuredSteps:
             threshold,
         )
         if report.applied:
-            self._adopt(Planned(
-                planned.model, planned.schedule, plan, planned.captured, planned.example,
-                split_model(planned.captured, plan), None,
-            ))
+            self._adopt(planned.repartitioned(plan))
         self.rebalanced = report
         log.info("hybridpipe: %s", report)
         return report
@@ -155,14 +147,14 @@ class MeasuredSteps:
             "instead",
         )
         setup = self.setup
-        planned, profiled = setup.require_plan(), self.profiled_costs()
+        profiled = self.profiled_costs()  # first: it may profile, making a new decision
+        planned = setup.require_plan()
         limits = running_limits(planned.schedule, profiled, setup.planner.memory_limit)
         report, schedule = propose_schedule(
             planned.schedule, calibration, profiled, limits, threshold
         )
         if report.applied:
-            setup.planner.schedule = schedule
-            self._adopt(dataclasses.replace(planned, schedule=schedule))
+            self._adopt(planned.rescheduled(schedule))
         self.resynthesized = report
         log.info("hybridpipe: %s", report)
         return report

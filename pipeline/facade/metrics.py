@@ -22,8 +22,8 @@ from torch import Tensor, fx
 
 from partitioner.flops import Spec, count_flops, stand_ins
 from pipeline.execution.executor import Executor
-from pipeline.planning.microbatch import batch_size
-from pipeline.planning.planner import Planned
+from pipeline.planning.decision import Decision
+from pipeline.planning.microbatch import Microbatches, batch_size
 from scheduler import Timeline, format_bytes
 
 log = logging.getLogger("hybridpipe")
@@ -273,13 +273,13 @@ class Metrics:
         return self.last
 
     def after_step(
-        self, executor: Executor, planned: Planned, args: tuple[Any, ...] | None, targets: Any,
+        self, executor: Executor, planned: Decision, inputs: Microbatches | None, targets: Any,
         loss: Tensor, trace: Timeline, seconds: float,
     ) -> StepMetrics:
-        """`record` for a step of `planned` run by `executor` on `args` and `targets` (a
+        """`record` for a step of `planned` run by `executor` on `inputs` and `targets` (a
         process that got neither counts the planned batch: example rows x microbatches)."""
-        if args is not None:
-            rows = batch_size(args, "inputs")
+        if inputs is not None:
+            rows = inputs.rows
         elif targets is not None:
             rows = batch_size(targets, "targets")
         else:
@@ -294,7 +294,7 @@ class Metrics:
             (p.dtype for p in planned.model.parameters() if p.is_floating_point()), None)
         return self.record(
             loss=loss, seconds=seconds, rows=rows,
-            seq=tokens_per_row(args if args is not None else planned.example),
+            seq=tokens_per_row(inputs.parts[0] if inputs is not None else planned.example),
             replicas=replicas, trace=trace, devices=devices,
             world=planned.schedule.num_ranks * replicas,
             peak_flops=device_peak_flops(next(iter(devices.values())), arithmetic(dtype)),

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipeline.execution.executor import Executor
 from pipeline.execution.program import StepResult
+from pipeline.planning.microbatch import Microbatches
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -61,7 +62,7 @@ def check_grad_accumulation(value: object) -> str:
 
 
 def run_step(
-    executor: Executor, parameters: Iterable[nn.Parameter], args: tuple[Any, ...] | None,
+    executor: Executor, parameters: Iterable[nn.Parameter], inputs: Microbatches | None,
     targets: Any, in_place: bool = False,
 ) -> StepResult:
     """Run one step with the parameters' ``.grad`` cleared, then add the gradients it produced
@@ -81,7 +82,7 @@ def run_step(
     for p in cleared:
         p.grad = None
     try:
-        result = executor.run_step(args, targets)
+        result = executor.run_step(inputs, targets)
         executor.precision.unscale_([p.grad for p in cleared if p.grad is not None])
     except BaseException as err:
         for p, g in zip(cleared, before, strict=True):

@@ -1,6 +1,7 @@
-"""Planning and setup: the planner (built once every process agrees on the settings), the flat
-inputs stage 0 takes, the plan made from the first batch and loaded into the executor, and the
-check that a later batch fits the captured graph."""
+"""A Pipeline's planning phase and its batches: the planner (built once every process agrees on
+the settings; it plans nothing yet), the decision made from the first batch (`plan`, loaded
+into the executor), and every batch as the flat inputs stage 0 takes, split once into the
+decision's microbatches and checked against the captured graph (`inputs`)."""
 
 from __future__ import annotations
 
@@ -10,43 +11,46 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from partitioner.capture import call_structure, check_inputs, check_mode
 from partitioner.exported import flat_inputs
 from pipeline.execution.executor import Executor
 from pipeline.execution.program import LossFn
-from pipeline.planning.microbatch import Batch, batch_size, split_microbatches, tensor_leaves
-from pipeline.planning.planner import Planned, Planner
+from pipeline.planning.costs import StageCosts
+from pipeline.planning.decision import Decision
+from pipeline.planning.microbatch import Batch, Microbatches, batch_size, tensor_leaves
+from pipeline.planning.planner import Planner
 from pipeline.planning.settings import pipeline_settings
 from scheduler import Schedule
 
 
 class Setup:
-    """The planner, the plan once made, and the batch shapes already checked against it.
-    `load` gives a plan to the executor (with the facade's current loss and settings)."""
+    """The planner, the decision once made, and the batch shapes already checked against it.
+    `load` gives a decision to the executor (with the facade's current loss and settings)."""
 
     def __init__(
         self, module: nn.Module, executor: Executor, planner: Planner,
-        load: Callable[[Planned], None],
+        load: Callable[[Decision], None],
     ) -> None:
         self.module = module
         self.executor = executor
         self.planner = planner
         self.load = load
-        self.planned: Planned | None = None
+        self.decision: Decision | None = None
         self._checked: set[tuple[Any, ...]] = set()  # batch shapes that passed check_inputs
 
     @classmethod
-    def plan_for(
-        cls, model: nn.Module, executor: Executor, load: Callable[[Planned], None], stages: int,
+    def agreed(
+        cls, model: nn.Module, executor: Executor, load: Callable[[Decision], None], stages: int,
         *, schedule: str | os.PathLike[str] | Schedule, microbatches: int | str | None,
         virtual_stages: int | str | None, balance: str | Sequence[int],
         leaf_modules: tuple[type, ...] | None, memory_limit: float | None, capture_method: str,
         loss_fn: LossFn | None, dynamic_dims: Sequence[int] = (),
     ) -> Setup:
         """The planner for these settings, once every process is checked to have built the
-        same Pipeline (under torch.distributed; pipeline.planning.settings)."""
+        same Pipeline (under torch.distributed; pipeline.planning.settings). Plans nothing:
+        the decision is made by `plan`."""
         with executor.setting_up():
             planner = Planner(
                 model, stages, schedule=schedule, microbatches=microbatches,
@@ -62,18 +66,20 @@ class Setup:
         ))
         return cls(model, executor, planner, load)
 
-    def require_plan(self) -> Planned:
-        """The plan; a RuntimeError explaining when it is made if not yet."""
-        if self.planned is None:
+    def require_plan(self) -> Decision:
+        """The decision; a RuntimeError explaining when it is made if not yet."""
+        if self.decision is None:
             raise RuntimeError(
                 "the plan is made from the first batch; pass example_input=... or run "
                 "step/forward first"
             )
-        return self.planned
+        return self.decision
 
     @property
     def schedule(self) -> Schedule:
         """The schedule; a RuntimeError explaining when it is built if not yet."""
+        if self.decision is not None:
+            return self.decision.schedule
         if self.planner.schedule is None:
             raise RuntimeError(
                 "the schedule is built from the first batch because microbatches was not given; "
@@ -81,9 +87,60 @@ class Setup:
             )
         return self.planner.schedule
 
-    def as_args(self, x: Batch) -> tuple[Any, ...]:
+    @property
+    def microbatches(self) -> int | None:
+        """Microbatches per batch (None until the first batch when not given)."""
+        decision = self.decision
+        return decision.microbatches if decision is not None else self.planner.microbatches
+
+    def adopt(self, decision: Decision) -> None:
+        """Run `decision` from the next call on."""
+        self.load(decision)
+        self.decision = decision
+
+    def costs(self) -> StageCosts:
+        """The decision's per-stage profiled costs (profiled now if they were not)."""
+        with self.executor.precision.planning(self.executor.devices):
+            self.decision = self.planner.with_costs(self.require_plan(), self.executor.coordination)
+        assert self.decision.costs is not None  # with_costs sets them
+        return self.decision.costs
+
+    # -- the planning phase -----------------------------------------------------------------------
+
+    def plan(self, args: tuple[Any, ...] | None, call_spec: TreeSpec | None) -> Decision:
+        """Decide from one batch of flat inputs (None on a process without stage 0's inputs)
+        and give the decision to the executor."""
+        with self.executor.setting_up():
+            with self.executor.precision.planning(self.executor.devices):
+                decision = self.planner.plan(args, call_spec, self.executor.coordination)
+            self.load(decision)
+        self.decision = decision
+        return decision
+
+    def plan_on(self, x: Batch) -> Decision:
+        """`plan` on a batch as the caller gives it (example_input)."""
+        return self.plan(*self.flat_inputs(x))
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    def inputs(self, x: Batch | None, *, whole: bool) -> Microbatches | None:
+        """Batch `x` split into microbatches: the decision's count for a step (`whole`), at
+        most one per row for a forward. The first batch is planned on first (`plan`); every
+        batch is checked against the capture (`check`)."""
+        args, call_spec = self.flat_inputs(x) if x is not None else (None, None)
+        if self.decision is None:
+            self.plan(args, call_spec)
+        if args is None:
+            return None
+        m = self.require_plan().microbatches
+        split = Microbatches.split(args, m if whole else min(m, batch_size(args, "inputs")))
+        self.check(args, split)
+        return split
+
+    def flat_inputs(self, x: Batch) -> tuple[tuple[Any, ...], TreeSpec | None]:
         """The flat input tensors stage 0 takes from a tensor or tuple/list batch (positional
-        arguments) or a dict batch (keyword arguments), in the captured order."""
+        arguments) or a dict batch (keyword arguments), in the captured order; with their
+        call's structure before the first decision (None after: the capture's)."""
         try:
             tensor_leaves(x, "inputs")
         except TypeError as err:
@@ -94,51 +151,34 @@ class Setup:
                 "whose forward passes it"
             ) from None
         args, kwargs = call_structure(x)
-        if self.planned is not None:
+        if self.decision is not None:
             signature = inspect.signature(self.module.forward)
-            return flat_inputs(self.planned.captured.in_spec, args, kwargs, signature)
-        leaves, self.planner.call_spec = tree_flatten((args, kwargs))
-        return tuple(leaves)
+            in_spec = self.decision.captured.in_spec
+            return flat_inputs(in_spec, args, kwargs, signature), None
+        leaves, call_spec = tree_flatten((args, kwargs))
+        return tuple(leaves), call_spec
 
-    def setup(self, args: tuple[Any, ...] | None) -> Planned:
-        """Make the plan from one batch of inputs and give it to the executor."""
-        with self.executor.setting_up():
-            with self.executor.precision.planning(self.executor.devices):
-                planned = self.planner.make(args, self.executor.coordination)
-            self.load(planned)
-        self.planned = planned
-        return planned
-
-    def args(self, x: Batch | None) -> tuple[Any, ...] | None:
-        """`x` as positional arguments, planning first if this is the first batch."""
-        args = None if x is None else self.as_args(x)
-        if self.planned is None:
-            self.setup(args)
-        elif args is not None:
-            self.check_inputs(self.planned, args)
-        return args
-
-    def check_inputs(self, planned: Planned, args: tuple[Any, ...]) -> None:
+    def check(self, args: tuple[Any, ...], split: Microbatches) -> None:
         """Fail before any tensor moves when a batch cannot run on the captured graph (a
         static dim changed that the model fixes, or the train/eval mode an export baked in);
         capture again, with that dim dynamic, when a batch changes a dim the capture made
         static but the model does not fix (pipeline.planning.shapes). A batch of shapes
         already checked is not checked again (the check costs ~0.2 ms per microbatch)."""
-        check_mode(planned.captured)
-        shapes = (id(planned), tuple(
+        decision = self.require_plan()
+        check_mode(decision.captured)
+        shapes = (id(decision), split.count, tuple(
             (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in args
         ))
         if shapes in self._checked:
             return
         with self.executor.setting_up():
             with self.executor.precision.planning(self.executor.devices):
-                recaptured = self.planner.recapture(planned, args, self.executor.coordination)
-            if recaptured is not None:
-                self.load(recaptured)
-                self.planned = planned = recaptured
-        m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
-        for mb in split_microbatches(args, m, "inputs"):
-            check_inputs(planned.captured, mb)
+                new = self.planner.recaptured(decision, split, self.executor.coordination)
+            if new.captured is not decision.captured:
+                self.load(new)
+            self.decision = decision = new
+        for part in split.parts:
+            check_inputs(decision.captured, part)
         if len(self._checked) >= 64:
             self._checked.clear()
         self._checked.add(shapes)

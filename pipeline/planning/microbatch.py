@@ -1,10 +1,12 @@
-"""Microbatches: splitting a batch along dim 0, merging outputs back, moving batches to a
-device, all over `torch.utils._pytree` (tensors, tuples, lists, dicts, namedtuples and any
-other registered pytree, nested)."""
+"""Microbatches: a batch split once along dim 0 (`Microbatches`: the parts, their sizes and loss
+weights, which the shape checks and the executor share), merging outputs back, moving batches
+to a device, all over `torch.utils._pytree` (tensors, tuples, lists, dicts, namedtuples and
+any other registered pytree, nested)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
@@ -70,6 +72,39 @@ def microbatch_sizes(total: int, chunks: int) -> list[int]:
     """The sizes `split_microbatches` produces for a batch of `total` samples."""
     base, extra = divmod(total, chunks)
     return [base + 1 if i < extra else base for i in range(chunks)]
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """A batch split along dim 0: `parts[i]` keeps the batch's structure, `sizes[i]` is its
+    row count (larger first, as `torch.tensor_split`)."""
+
+    parts: tuple[Batch, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def split(cls, batch: Batch, chunks: int, what: str = "inputs") -> Microbatches:
+        """`batch` in `chunks` microbatches (`split_microbatches`; ValueError naming the fix
+        if it has fewer rows)."""
+        parts = split_microbatches(batch, chunks, what)
+        return cls(tuple(parts), tuple(microbatch_sizes(batch_size(batch, what), chunks)))
+
+    @property
+    def count(self) -> int:
+        return len(self.parts)
+
+    @property
+    def rows(self) -> int:
+        """The batch's row count."""
+        return sum(self.sizes)
+
+    def loss_weights(self) -> list[float]:
+        """Each microbatch's share of the batch: its loss's weight in the step's loss."""
+        return [k / self.rows for k in self.sizes]
+
+    def on(self, device: torch.device) -> list[Batch]:
+        """The parts with every tensor on `device`."""
+        return [to_device(part, device) for part in self.parts]
 
 
 def merge_microbatches(parts: Sequence[Batch], weights: Sequence[float] | None = None) -> Batch:

@@ -1,44 +1,45 @@
 """Planning, apart from running: the schedule (built by name or adopted from a custom one and
 validated), then capture -> profile -> partition -> split -> stage costs from one example
-microbatch. `Planner.make` returns a `Planned` for an executor to place and run.
+microbatch. `Planner.plan` is the planning phase: it takes the first batch and returns the
+frozen `Decision` (pipeline.planning.decision) that an executor places and runs. A later
+batch that changes a dim the capture made static makes a new decision (`Planner.recaptured`);
+the planner itself holds only the settings.
 
 In one process the planner decides alone. Under torch.distributed the executor's
 `Coordination` makes global rank 0 decide (microbatch count, example, plan, costs) and every
-other process follow (`agree`), so that all processes split the model the same way; each
-`agree` also checks that every process has the same settings (pipeline.planning.settings), and each
-piece of planning runs as a `phase` that the other processes hear about if it fails
-(pipeline.execution.distributed.agreement)."""
+other process follow (`agree`, carrying the records `FirstBatch` and `Partition`), so that all
+processes split the model the same way; each `agree` also checks that every process has the
+same settings (pipeline.planning.settings), and each piece of planning runs as a `phase` that
+the other processes hear about if it fails (pipeline.execution.distributed.agreement)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
-from partitioner import (
-    Captured,
-    CaptureError,
-    Plan,
-    StageModule,
-    capture,
-    partition,
-    profile,
-    split_model,
-)
+from partitioner import Captured, CaptureError, capture, partition, profile, split_model
 from partitioner.estimate import estimate
-from pipeline.planning.autoplan import AutoPlan, search
-from pipeline.planning.costs import StageCosts, stage_costs
-from pipeline.planning.microbatch import batch_size, split_microbatches
-from pipeline.planning.settings import Settings, input_settings, schedule_setting
-from pipeline.planning.shapes import (
+from pipeline.planning.autoplan import search
+from pipeline.planning.costs import stage_costs
+from pipeline.planning.decision import (
+    AutoChoice,
+    CaptureInputs,
+    Coordination,
+    Decision,
+    FirstBatch,
     Pairs,
+    Partition,
+)
+from pipeline.planning.microbatch import Microbatches, batch_size
+from pipeline.planning.settings import input_settings, schedule_setting
+from pipeline.planning.shapes import (
     carry_over,
     changed_static_dims,
     check_dims,
@@ -51,52 +52,6 @@ from pipeline.planning.shapes import (
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
-
-
-class Agree(Protocol):
-    """The leader's `value` on every process, once every process's `settings` match; `what`
-    names the point of setup in messages."""
-
-    def __call__(self, what: str, value: Any = None, settings: Settings | None = None) -> Any: ...
-
-
-def decide_alone(what: str, value: Any = None, settings: Settings | None = None) -> Any:
-    """`Agree` for one process: its own value."""
-    return value
-
-
-def _no_phase(what: str) -> AbstractContextManager[None]:
-    return nullcontext()
-
-
-@dataclass(frozen=True)
-class Coordination:
-    """How the processes of a job make one plan. `leads`: this process decides (always in one
-    process; global rank 0 under torch.distributed). `agree`: see `Agree`. `device`: where
-    profiling runs. `keeps_whole_model`: False when the executor frees the stages other
-    processes hold (then costs cannot be profiled later). `phase(what)`: the context a piece
-    of planning runs in (under torch.distributed its failure reaches the other processes)."""
-
-    leads: bool
-    agree: Agree
-    device: torch.device
-    keeps_whole_model: bool
-    phase: Callable[[str], AbstractContextManager[None]] = _no_phase
-
-
-@dataclass
-class Planned:
-    """The result of planning: the model, the schedule, the partition, the captured (and maybe
-    profiled) model with the example it was captured on, every stage's module in stage order
-    (sharing the model's parameters), and the profiled per-stage costs (None until profiled)."""
-
-    model: torch.nn.Module
-    schedule: Schedule
-    plan: Plan
-    captured: Captured
-    example: tuple[Any, ...]
-    modules: list[StageModule]
-    costs: StageCosts | None
 
 
 AUTO = "auto"
@@ -157,15 +112,21 @@ def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any,
     return example
 
 
+def _first_microbatch(args: tuple[Any, ...], count: int) -> tuple[Any, ...]:
+    return tuple(Microbatches.split(args, count, "inputs").parts[0])
+
+
+
 class Planner:
-    """Makes the plan of a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks
-    (stages) per rank, `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the
-    first batch), `balance` as in `partitioner.partition`.
+    """Plans a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks (stages) per rank,
+    `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the first batch),
+    `balance` as in `partitioner.partition`. It holds these settings only; each plan is a
+    `Decision`.
 
     "auto" for the schedule, the microbatches or the virtual stages lets
     `pipeline.planning.autoplan` choose them by simulation on the first batch (profiled on a
     provisional microbatch of ``min(2 x ranks, batch)``), under `memory_limit` bytes per device;
-    the others stay as given. The search result is kept as `autoplan`."""
+    the others stay as given. The decision keeps the choice (`Decision.auto`)."""
 
     def __init__(
         self,
@@ -184,54 +145,47 @@ class Planner:
         self.model = model
         self.capture_method = capture_method
         self.dynamic_dims = check_dims(dynamic_dims)
-        # (flat input, dim) pairs a later batch changed: captured dynamic from then on.
-        self.changed: Pairs = set()
-        self._fixed: Pairs = set()  # pairs the model's code keeps static
-        self._rows: tuple[Any, ...] = ()  # the flat inputs of the last capture
-        # The pytree structure of (args, kwargs) whose leaves `make`'s flat inputs are.
-        self.call_spec: TreeSpec | None = None
         self.ranks = ranks
         self.auto = AUTO in (schedule, microbatches, virtual_stages)
         self.auto_schedule = schedule == AUTO  # re-synthesised from measured costs later
+        self.auto_microbatches = microbatches == AUTO
+        self.auto_virtual_stages = virtual_stages == AUTO
         self.memory_limit = memory_limit
-        self.autoplan: AutoPlan | None = None
-        self._auto_m = microbatches == AUTO
-        self._auto_v = virtual_stages == AUTO
-        self.microbatches: int | None = microbatches if isinstance(microbatches, int) else None
-        self.virtual_stages: int | None = (
-            virtual_stages if isinstance(virtual_stages, int) else None
-        )
+        self.virtual_stages = virtual_stages if isinstance(virtual_stages, int) else None
         self.balance = balance
         self.leaf_modules = leaf_modules
         self.schedule_spec = schedule
-        self.schedule: Schedule | None = None
+        given = microbatches if isinstance(microbatches, int) else None
         custom = _load_custom(schedule)
-        if custom is not None:
-            if self.auto:
-                raise ValueError(
-                    f"a custom schedule ({custom.name!r}) fixes microbatches and chunks; drop "
-                    "the 'auto' settings or pass schedule='auto'"
-                )
-            self.schedule = self._adopt(custom)
-        elif self.microbatches is not None and not self.auto:
-            self.schedule = self._build(self.microbatches)
+        if custom is not None and self.auto:
+            raise ValueError(
+                f"a custom schedule ({custom.name!r}) fixes microbatches and chunks; drop "
+                "the 'auto' settings or pass schedule='auto'"
+            )
+        # The schedule when it is known before the first batch (else None).
+        self.schedule: Schedule | None = (
+            self._adopt(custom, given) if custom is not None
+            else self._build(given) if given is not None and not self.auto else None
+        )
+        # The microbatches per batch when known before the first batch.
+        self.microbatches = given if custom is None else custom.num_microbatches
 
     def _build(self, microbatches: int) -> Schedule:
         return build_schedule(
             str(self.schedule_spec), self.ranks, microbatches, self.virtual_stages
         )
 
-    def _adopt(self, schedule: Schedule) -> Schedule:
+    def _adopt(self, schedule: Schedule, microbatches: int | None) -> Schedule:
         """Check a custom schedule against the settings and validate it."""
         if schedule.num_ranks != self.ranks:
             raise ValueError(
                 f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but stages="
                 f"{self.ranks}; make them equal"
             )
-        if self.microbatches not in (None, schedule.num_microbatches):
+        if microbatches not in (None, schedule.num_microbatches):
             raise ValueError(
                 f"schedule {schedule.name!r} runs {schedule.num_microbatches} microbatches but "
-                f"microbatches={self.microbatches}; drop microbatches or make them equal"
+                f"microbatches={microbatches}; drop microbatches or make them equal"
             )
         if self.virtual_stages not in (None, schedule.virtual_stages):
             raise ValueError(
@@ -244,142 +198,98 @@ class Planner:
                 f"{schedule.num_ranks} ranks; give every rank the same number of stages"
             )
         validate(schedule)
-        self.microbatches = schedule.num_microbatches
         return schedule
 
-    def make(self, args: tuple[Any, ...] | None, how: Coordination) -> Planned:
-        """Plan from one batch of flat inputs `args` (the leaves of the call `call_spec`
-        describes; needed on the leader only)."""
-        offer = None
-        profiled: tuple[Captured, tuple[Any, ...]] | None = None
-        if how.leads:
-            if args is None:
-                raise ValueError(
-                    "the process that makes the plan (global rank 0, which holds stage 0) "
-                    "needs a batch of inputs for the first step/forward (or example_input=...)"
-                )
-            if on_meta(self.model):  # capture and estimate on meta: nothing is allocated
-                args = _as_meta(args)
-            size = batch_size(args, "inputs")
-            m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
-            example = tuple(split_microbatches(args, m, "inputs")[0])
-            choice = None
-            if self.auto:
-                with how.phase("auto-planning (capture and profiling of the model)"):
-                    provisional = self._capture(_capture_rows(args, example))
-                    measure(provisional, self.model, example, how.device)
-                    choice = self._choose(provisional, size, batch_size(example, "inputs"))
-                if choice[1] == m:
-                    profiled = (provisional, example)  # reuse: same microbatch
-                else:
-                    m = choice[1]
-                    example = tuple(split_microbatches(args, m, "inputs")[0])
-            offer = (m, _capture_rows(args, example), example, choice, self.call_spec)
-        m, rows, example, choice, self.call_spec = how.agree(
-            "the first batch", offer, input_settings(args)
-        )
-        with how.phase("capture of the model"):
-            if choice is not None:
-                name, _, v, built = choice
-                self.microbatches, self.virtual_stages = m, v
-                if built is None:
-                    self.schedule_spec = name
-                self.schedule = built if built is not None else self._build(m)
-                log.info("hybridpipe: auto-planned schedule=%s microbatches=%d virtual_stages=%d",
-                         name, m, v)
-            if self.microbatches is None:
-                self.microbatches = m
-                log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
-            if self.schedule is None:
-                self.schedule = self._build(m)
-            schedule = self.schedule
-            captured = profiled[0] if profiled is not None else self._capture(rows)
-        plan = costs = None
-        if how.leads:
-            if self.balance == "profile" and profiled is None:
-                with how.phase("profiling of the model"):
-                    measure(captured, self.model, example, how.device)
-            with how.phase("partitioning of the model"):
-                plan = partition(captured, schedule.num_stages, self.balance)
-                # Costs are measured by the leader while it still holds the whole model.
-                costs = stage_costs(captured, plan) if self.balance == "profile" else None
-        plan, costs = how.agree(
-            "the plan", (plan, costs), {"schedule text": schedule_setting(schedule)}
-        )
-        with how.phase("split of the model"):
-            modules = split_model(captured, plan)
-        return Planned(self.model, schedule, plan, captured, example, modules, costs)
+    # -- the planning phase -----------------------------------------------------------------------
 
-    def _capture(self, rows: tuple[Any, ...], method: str | None = None) -> Captured:
-        """Capture the model called with the flat inputs `rows` (structure `call_spec`)."""
-        if self.call_spec is None:
-            raise RuntimeError("planning needs the inputs' structure (Pipeline._as_args)")
-        self._rows = rows
-        call_args, call_kwargs = tree_unflatten(list(rows), self.call_spec)
+    def plan(
+        self, args: tuple[Any, ...] | None, call_spec: TreeSpec | None, how: Coordination
+    ) -> Decision:
+        """Decide from one batch of flat inputs `args`, the leaves of the call `call_spec`
+        describes (both needed on the leader only)."""
+        offer, profiled = self._first_batch(args, call_spec, how) if how.leads else (None, None)
+        first: FirstBatch = how.agree("the first batch", offer, input_settings(args))
+        inputs = CaptureInputs(first.call_spec, first.rows)
+        with how.phase("capture of the model"):
+            schedule = self._schedule_for(first)
+            captured = profiled if profiled is not None else self._capture(inputs)
+        part = None
+        if how.leads:
+            part = self._partition(captured, schedule, first.example, profiled is not None, how)
+        part = how.agree("the plan", part, {"schedule text": schedule_setting(schedule)})
+        with how.phase("split of the model"):
+            modules = tuple(split_model(captured, part.plan))
+        return Decision(self.model, schedule, part.plan, captured, inputs, first.example,
+                        modules, part.costs, first.auto)
+
+    def _first_batch(
+        self, args: tuple[Any, ...] | None, call_spec: TreeSpec | None, how: Coordination
+    ) -> tuple[FirstBatch, Captured | None]:
+        """(The leader) the microbatch count and example of the first batch, choosing the
+        "auto" settings; with the capture, profiled on that example, when auto-planning made
+        one (else None)."""
+        if args is None or call_spec is None:
+            raise ValueError(
+                "the process that makes the plan (global rank 0, which holds stage 0) "
+                "needs a batch of inputs for the first step/forward (or example_input=...)"
+            )
+        if on_meta(self.model):  # capture and estimate on meta: nothing is allocated
+            args = _as_meta(args)
+        size = batch_size(args, "inputs")
+        m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
+        example = _first_microbatch(args, m)
+        if not self.auto:
+            return FirstBatch(m, _capture_rows(args, example), example, call_spec, None), None
+        with how.phase("auto-planning (capture and profiling of the model)"):
+            captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
+            measure(captured, self.model, example, how.device)
+            auto = self._choose(captured, size, batch_size(example, "inputs"))
+        profiled = captured if auto.microbatches == m else None  # reused: same microbatch
+        if profiled is None:
+            m, example = auto.microbatches, _first_microbatch(args, auto.microbatches)
+        return FirstBatch(m, _capture_rows(args, example), example, call_spec, auto), profiled
+
+    def _schedule_for(self, first: FirstBatch) -> Schedule:
+        """The schedule for the agreed first batch: the auto-planner's, the one known already,
+        or built for its microbatch count."""
+        auto, m = first.auto, first.microbatches
+        if auto is not None:
+            log.info("hybridpipe: auto-planned schedule=%s microbatches=%d virtual_stages=%d",
+                     auto.schedule, m, auto.virtual_stages)
+            if auto.built is not None:
+                return auto.built
+            return build_schedule(auto.schedule, self.ranks, m, auto.virtual_stages)
+        if self.schedule is not None:
+            return self.schedule
+        log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
+        return self._build(m)
+
+    def _partition(self, captured: Captured, schedule: Schedule, example: tuple[Any, ...],
+                   profiled: bool, how: Coordination) -> Partition:
+        """(The leader) the partition, and the stage costs while it holds the whole model."""
+        if self.balance == "profile" and not profiled:
+            with how.phase("profiling of the model"):
+                measure(captured, self.model, example, how.device)
+        with how.phase("partitioning of the model"):
+            plan = partition(captured, schedule.num_stages, self.balance)
+            costs = stage_costs(captured, plan) if self.balance == "profile" else None
+        return Partition(plan, costs)
+
+    def _capture(self, inputs: CaptureInputs, method: str | None = None) -> Captured:
+        """Capture the model called with the flat inputs `inputs.rows`, the user's dynamic dims
+        and those a later batch changed dynamic."""
+        call_args, call_kwargs = tree_unflatten(list(inputs.rows), inputs.call_spec)
         return capture(
             self.model, call_args, call_kwargs, leaf_modules=self.leaf_modules,
             method=method or self.capture_method,
-            dynamic_dims=pairs_for(rows, self.dynamic_dims) | self.changed,
+            dynamic_dims=pairs_for(inputs.rows, self.dynamic_dims) | inputs.changed,
         )
 
-    def recapture(
-        self, planned: Planned, args: tuple[Any, ...], how: Coordination
-    ) -> Planned | None:
-        """A new Planned when the batch `args` changes a dim the capture made static (another
-        sequence length): the model captured again with that dim dynamic too (on the first
-        capture's inputs, which the model is known to run), keeping the plan and costs when
-        the units are the same (else re-partitioned). None when nothing changed, or the
-        model's code fixes the size (then `check_inputs` reports it)."""
-        m = min(planned.schedule.num_microbatches, batch_size(args, "inputs"))
-        microbatches = split_microbatches(args, m, "inputs")
-        changed = changed_static_dims(planned.captured, microbatches) - self._fixed
-        if not changed:
-            return None
-        if not how.keeps_whole_model:
-            raise ValueError(
-                f"this batch changes {describe(planned.captured, changed)}, a size the capture "
-                "made static; under torch.distributed each process holds only its stages, so "
-                f"the model cannot be captured again: build the Pipeline with dynamic_dims="
-                f"{dims_of(changed)!r} (or give batches of the first batch's shape)"
-            )
-        self.changed |= changed
-        log.info("hybridpipe: capturing again with %s dynamic",
-                 describe(planned.captured, changed))
-        try:  # on the first capture's rows: the model runs on those
-            captured: Captured | None = self._capture(self._rows, method="export")
-        except CaptureError:
-            captured = None
-        self._fixed |= changed if captured is None else still_static(captured, changed)
-        if captured is None or self._fixed & changed:
-            self.changed -= self._fixed
-            return None
-        plan, costs = planned.plan, planned.costs
-        if not carry_over(planned.captured, captured):
-            if not isinstance(self.balance, str):
-                raise ValueError(
-                    f"this batch changes {describe(planned.captured, changed)}; captured again "
-                    f"with it dynamic the model has {len(captured)} units (was "
-                    f"{len(planned.captured)}), so balance={list(self.balance)} no longer fits: "
-                    f"build the Pipeline with dynamic_dims={dims_of(changed)!r} (then the counts "
-                    "are of that capture), or balance='profile'/'parameters'"
-                )
-            if self.balance == "profile":
-                measure(captured, self.model, planned.example, how.device)
-            plan = partition(captured, planned.schedule.num_stages, self.balance)
-            costs = stage_costs(captured, plan) if self.balance == "profile" else None
-        plan = with_dims(plan, captured)
-        modules = split_model(captured, plan)
-        return Planned(
-            self.model, planned.schedule, plan, captured, planned.example, modules, costs
-        )
-
-    def _choose(
-        self, captured: Captured, size: int, profiled_batch: int
-    ) -> tuple[str, int, int, Schedule | None]:
-        """(schedule, microbatches, virtual stages, the schedule if synthesised): the fastest
-        predicted within the memory limit, the settings not left to "auto" held fixed."""
+    def _choose(self, captured: Captured, size: int, profiled_batch: int) -> AutoChoice:
+        """The fastest configuration predicted within the memory limit, the settings not left
+        to "auto" held fixed."""
         fixed_name = None if self.schedule_spec == AUTO else [str(self.schedule_spec)]
-        self.autoplan = search(
+        ranking = search(
             captured,
             world_size=self.ranks,
             pp=[self.ranks],
@@ -387,24 +297,86 @@ class Planner:
             profiled_batch=profiled_batch,
             memory_limit=self.memory_limit,
             schedules=fixed_name,
-            microbatches=None if self._auto_m else [self.microbatches or min(2 * self.ranks, size)],
-            virtual_stages=None if self._auto_v or self.virtual_stages is None
+            microbatches=None if self.auto_microbatches
+            else [self.microbatches or min(2 * self.ranks, size)],
+            virtual_stages=None if self.auto_virtual_stages or self.virtual_stages is None
             else [self.virtual_stages],
         )
-        best = self.autoplan.best
-        return best.schedule, best.microbatches, best.virtual_stages, best.built
+        best = ranking.best
+        return AutoChoice(best.schedule, best.microbatches, best.virtual_stages, best.built,
+                          ranking)
 
-    def costs(self, planned: Planned, how: Coordination) -> StageCosts:
-        """Per-stage profiled seconds (profiling now, on the planning example, if needed)."""
-        if planned.costs is not None:
-            return planned.costs
+    # -- later decisions --------------------------------------------------------------------------
+
+    def recaptured(
+        self, decision: Decision, inputs: Microbatches, how: Coordination
+    ) -> Decision:
+        """The decision for the microbatches `inputs`: `decision` itself unless they change a
+        dim the capture made static (another sequence length). Then a new decision: the model
+        captured again with that dim dynamic too (on the first capture's inputs, which the
+        model is known to run), keeping the plan and costs when the units are the same (else
+        re-partitioned); or, when the model's code fixes that size, `decision` remembering it
+        (then `check_inputs` reports it)."""
+        was = decision.capture
+        changed = changed_static_dims(decision.captured, inputs.parts) - was.fixed
+        if not changed:
+            return decision
+        if not how.keeps_whole_model:
+            raise ValueError(
+                f"this batch changes {describe(decision.captured, changed)}, a size the capture "
+                "made static; under torch.distributed each process holds only its stages, so "
+                f"the model cannot be captured again: build the Pipeline with dynamic_dims="
+                f"{dims_of(changed)!r} (or give batches of the first batch's shape)"
+            )
+        log.info("hybridpipe: capturing again with %s dynamic",
+                 describe(decision.captured, changed))
+        wanted = dataclasses.replace(was, changed=was.changed | changed)
+        try:  # on the first capture's rows: the model runs on those
+            captured = self._capture(wanted, method="export")
+        except CaptureError:
+            captured = None
+        fixed: Pairs = was.fixed | (changed if captured is None
+                                    else frozenset(still_static(captured, changed)))
+        if captured is None or fixed & changed:
+            kept = dataclasses.replace(wanted, changed=wanted.changed - fixed, fixed=fixed)
+            return dataclasses.replace(decision, capture=kept)
+        return self._on_new_capture(decision, captured, wanted, changed, how)
+
+    def _on_new_capture(self, decision: Decision, captured: Captured, inputs: CaptureInputs,
+                        changed: set[tuple[int, int]], how: Coordination) -> Decision:
+        """`decision` on a re-capture: its costs carried over when the units are the same,
+        else partitioned again."""
+        plan, costs = decision.plan, decision.costs
+        if not carry_over(decision.captured, captured):
+            if not isinstance(self.balance, str):
+                raise ValueError(
+                    f"this batch changes {describe(decision.captured, changed)}; captured again "
+                    f"with it dynamic the model has {len(captured)} units (was "
+                    f"{len(decision.captured)}), so balance={list(self.balance)} no longer fits: "
+                    f"build the Pipeline with dynamic_dims={dims_of(changed)!r} (then the counts "
+                    "are of that capture), or balance='profile'/'parameters'"
+                )
+            if self.balance == "profile":
+                measure(captured, self.model, decision.example, how.device)
+            plan = partition(captured, decision.schedule.num_stages, self.balance)
+            costs = stage_costs(captured, plan) if self.balance == "profile" else None
+        plan = with_dims(plan, captured)
+        return dataclasses.replace(
+            decision, plan=plan, captured=captured, capture=inputs,
+            modules=tuple(split_model(captured, plan)), costs=costs,
+        )
+
+    def with_costs(self, decision: Decision, how: Coordination) -> Decision:
+        """`decision` with its per-stage profiled seconds (profiling now, on its example, if
+        needed)."""
+        if decision.costs is not None:
+            return decision
         if not how.keeps_whole_model:
             raise RuntimeError(
                 "under torch.distributed the stage costs are measured on global rank 0 before "
                 "the model is split; build the Pipeline with balance='profile' to simulate it"
             )
-        captured = planned.captured
+        captured = decision.captured
         if not captured.profiled:
-            measure(captured, self.model, planned.example, how.device)
-        planned.costs = stage_costs(captured, planned.plan)
-        return planned.costs
+            measure(captured, self.model, decision.example, how.device)
+        return dataclasses.replace(decision, costs=stage_costs(captured, decision.plan))

@@ -286,7 +286,9 @@ def test_recapture_errors_name_dynamic_dims() -> None:
     only its stages (torch.distributed), cannot capture again: both errors name the fix."""
     from torch.utils._pytree import tree_flatten
 
-    from pipeline.planning.planner import Coordination, Planner, decide_alone
+    from pipeline.planning.decision import Coordination, decide_alone
+    from pipeline.planning.microbatch import Microbatches
+    from pipeline.planning.planner import Planner
 
     spec = SPECS["gpt2"]
     x, _ = spec.batch(4, 8)
@@ -300,11 +302,12 @@ def test_recapture_errors_name_dynamic_dims() -> None:
 
     planner = Planner(build("gpt2"), 2, schedule="1f1b", microbatches=2, virtual_stages=None,
                       balance="parameters", leaf_modules=None)
-    leaves, planner.call_spec = tree_flatten(((), x))
+    leaves, call_spec = tree_flatten(((), x))
     local = Coordination(True, decide_alone, torch.device("cpu"), keeps_whole_model=True)
-    planned = planner.make(tuple(leaves), local)
+    decision = planner.plan(tuple(leaves), call_spec, local)
     split = Coordination(True, decide_alone, torch.device("cpu"), keeps_whole_model=False)
     longer = tree_flatten(((), spec.batch(4, 10)[0]))[0]
     with pytest.raises(ValueError, match=r"under torch.distributed .* dynamic_dims=\(1,\)"):
-        planner.recapture(planned, tuple(longer), split)
-    assert planner.recapture(planned, tuple(leaves), split) is None  # nothing changed
+        planner.recaptured(decision, Microbatches.split(tuple(longer), 2), split)
+    same = Microbatches.split(tuple(leaves), 2)
+    assert planner.recaptured(decision, same, split) is decision  # nothing changed

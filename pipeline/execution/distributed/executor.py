@@ -50,7 +50,7 @@ from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
-from pipeline.planning.planner import Coordination, Planned
+from pipeline.planning.decision import Coordination, Decision
 
 
 class DistributedExecutor(Executor):
@@ -102,7 +102,7 @@ class DistributedExecutor(Executor):
         return self.context.agreement.phase("setup")
 
     def load(
-        self, planned: Planned, *, loss_fn: LossFn | None, checkpoint_activations: object
+        self, planned: Decision, *, loss_fn: LossFn | None, checkpoint_activations: object
     ) -> None:
         schedule = planned.schedule
         if schedule.num_stages > MAX_STAGES or schedule.num_microbatches >= MAX_MICROBATCHES:
