@@ -61,8 +61,8 @@ def main() -> None:
         (on if measured else off).append(time.perf_counter() - start)
     recorder.after_step = record  # type: ignore[method-assign]
     fresh = FlopCount()
-    planned = pipe._setup.made
-    fresh.snapshot(planned.captured.graph_module, planned.example)
+    decision = pipe._setup.require_plan()
+    fresh.snapshot(decision.captured.graph_module, decision.example)
     start = time.perf_counter()
     fresh.per_unit()
     count_s = time.perf_counter() - start
