@@ -33,6 +33,9 @@ class Policy:
     hold_for_b: bool
 
 
+_Candidate = tuple[float, int, int, int]  # (available at, op, stage, microbatch)
+
+
 def list_schedule(
     placement: Sequence[int],
     num_ranks: int,
@@ -48,65 +51,10 @@ def list_schedule(
     rank keeps room for the rest of that microbatch's stages on r: held + 1 + (stages of r
     after s) <= cap, so a microbatch once started on a rank can always finish there.
     """
-    n, m = len(placement), microbatches
-    stages_of = [[s for s in range(n) if placement[s] == r] for r in range(num_ranks)]
-    later = [sum(1 for t in stages_of[placement[s]] if t > s) for s in range(n)]
-    end = [[[-1.0] * m for _ in range(3)] for _ in range(n)]  # end[s][op][k]; -1 = not yet
-    next_k = [[0, 0] for _ in range(n)]  # next F and B microbatch of each stage
-    pending_w: list[list[int]] = [[] for _ in range(n)]
-    free = [0.0] * num_ranks
-    held = [0] * num_ranks
-    remaining = [3 * m * len(stages_of[r]) for r in range(num_ranks)]
-    out: list[list[Action]] = [[] for _ in range(num_ranks)]
-
-    def arrival(s_from: int, op: int, k: int, s_to: int) -> float:
-        t = end[s_from][op][k]
-        if t < 0:
-            return -1.0
-        return t + comm if placement[s_from] != placement[s_to] else t
-
-    def candidates(r: int) -> list[tuple[float, int, int, int]]:
-        """(available at, op, stage, microbatch) of rank r's actions whose inputs are made."""
-        found = []
-        for s in stages_of[r]:
-            kf, kb = next_k[s]
-            if kf < m and held[r] + 1 + later[s] <= policy.caps[r]:
-                t = 0.0 if s == 0 else arrival(s - 1, _F, kf, s)
-                if t >= 0:
-                    found.append((t, _F, s, kf))
-            if kb < kf:
-                own = end[s][_F][kb]
-                t = own if s == n - 1 else arrival(s + 1, _B, kb, s)
-                if own >= 0 and t >= 0:
-                    found.append((max(t, own), _B, s, kb))
-            if pending_w[s]:
-                k = pending_w[s][0]
-                found.append((end[s][_B][k], _W, s, k))
-        return found
-
-    rank_of_priority = {op: i for i, op in enumerate(policy.order)}
-
-    def choose(r: int) -> tuple[float, tuple[float, int, int, int]] | None:
-        """(start, action) rank r would run next, or None while it has nothing to start."""
-        found = candidates(r)
-        if not found:
-            return None
-        ready_at = max(free[r], min(c[0] for c in found))
-        ready = [c for c in found if c[0] <= ready_at]
-        # Same kind: earliest available, then oldest microbatch, then the later stage
-        # (it finishes a microbatch and frees the ranks after it sooner).
-        pick = min(ready, key=lambda c: (rank_of_priority[c[1]], c[0], c[3], -c[2]))
-        if policy.hold_for_b and pick[1] != _B:
-            waiting_b = [c for c in found if c[1] == _B and c[0] > ready_at]
-            if waiting_b:
-                first_b = min(waiting_b, key=lambda c: (c[0], c[3], -c[2]))
-                if ready_at + cost[pick[2]][pick[1]] > first_b[0]:
-                    pick = first_b
-        return max(free[r], pick[0]), pick
-
-    choice = [choose(r) for r in range(num_ranks)]
-    while any(remaining):
-        best: tuple[float, int, tuple[float, int, int, int]] | None = None
+    state = _Step(placement, num_ranks, microbatches, cost, comm, policy)
+    choice = [state.choose(r) for r in range(num_ranks)]
+    while any(state.remaining):
+        best: tuple[float, int, _Candidate] | None = None
         for r in range(num_ranks):
             c = choice[r]
             if c is not None and (best is None or c[0] < best[0]):
@@ -114,21 +62,102 @@ def list_schedule(
         if best is None:
             return None
         start, r, (_, op, s, k) = best
-        finish = start + cost[s][op]
-        end[s][op][k] = finish
-        free[r] = finish
-        remaining[r] -= 1
-        out[r].append(Action(s, _OPS[op], k))
-        if op == _F:
-            next_k[s][0] += 1
-            held[r] += 1
-        elif op == _B:
-            next_k[s][1] += 1
-            pending_w[s].append(k)
-        else:
-            pending_w[s].pop(0)
-            held[r] -= 1
+        state.run(start, r, op, s, k)
         # Only this rank and the ranks of the neighbouring stages see new inputs or memory.
+        n = len(placement)
         for t in {r, placement[max(s - 1, 0)], placement[min(s + 1, n - 1)]}:
-            choice[t] = choose(t) if remaining[t] else None
-    return out
+            choice[t] = state.choose(t) if state.remaining[t] else None
+    return state.out
+
+
+class _Step:
+    """The step as scheduled so far: when each action ended, what each rank holds and has left,
+    and each rank's action order."""
+
+    def __init__(
+        self,
+        placement: Sequence[int],
+        num_ranks: int,
+        microbatches: int,
+        cost: Sequence[tuple[float, float, float]],
+        comm: float,
+        policy: Policy,
+    ) -> None:
+        n, m = len(placement), microbatches
+        self.placement = placement
+        self.m = m
+        self.cost = cost
+        self.comm = comm
+        self.policy = policy
+        self.stages_of = [[s for s in range(n) if placement[s] == r] for r in range(num_ranks)]
+        self.later = [sum(1 for t in self.stages_of[placement[s]] if t > s) for s in range(n)]
+        self.end = [[[-1.0] * m for _ in range(3)] for _ in range(n)]  # [s][op][k]; -1 = not yet
+        self.next_k = [[0, 0] for _ in range(n)]  # next F and B microbatch of each stage
+        self.pending_w: list[list[int]] = [[] for _ in range(n)]
+        self.free = [0.0] * num_ranks
+        self.held = [0] * num_ranks
+        self.remaining = [3 * m * len(self.stages_of[r]) for r in range(num_ranks)]
+        self.out: list[list[Action]] = [[] for _ in range(num_ranks)]
+        self.rank_of_priority = {op: i for i, op in enumerate(policy.order)}
+
+    def arrival(self, s_from: int, op: int, k: int, s_to: int) -> float:
+        """When stage s_from's `op` output for microbatch k reaches s_to (-1: not made yet)."""
+        t = self.end[s_from][op][k]
+        if t < 0:
+            return -1.0
+        return t + self.comm if self.placement[s_from] != self.placement[s_to] else t
+
+    def candidates(self, r: int) -> list[_Candidate]:
+        """Rank r's actions whose inputs are made."""
+        n, m = len(self.placement), self.m
+        found = []
+        for s in self.stages_of[r]:
+            kf, kb = self.next_k[s]
+            if kf < m and self.held[r] + 1 + self.later[s] <= self.policy.caps[r]:
+                t = 0.0 if s == 0 else self.arrival(s - 1, _F, kf, s)
+                if t >= 0:
+                    found.append((t, _F, s, kf))
+            if kb < kf:
+                own = self.end[s][_F][kb]
+                t = own if s == n - 1 else self.arrival(s + 1, _B, kb, s)
+                if own >= 0 and t >= 0:
+                    found.append((max(t, own), _B, s, kb))
+            if self.pending_w[s]:
+                k = self.pending_w[s][0]
+                found.append((self.end[s][_B][k], _W, s, k))
+        return found
+
+    def choose(self, r: int) -> tuple[float, _Candidate] | None:
+        """(start, action) rank r would run next, or None while it has nothing to start."""
+        found = self.candidates(r)
+        if not found:
+            return None
+        ready_at = max(self.free[r], min(c[0] for c in found))
+        ready = [c for c in found if c[0] <= ready_at]
+        # Same kind: earliest available, then oldest microbatch, then the later stage
+        # (it finishes a microbatch and frees the ranks after it sooner).
+        pick = min(ready, key=lambda c: (self.rank_of_priority[c[1]], c[0], c[3], -c[2]))
+        if self.policy.hold_for_b and pick[1] != _B:
+            waiting_b = [c for c in found if c[1] == _B and c[0] > ready_at]
+            if waiting_b:
+                first_b = min(waiting_b, key=lambda c: (c[0], c[3], -c[2]))
+                if ready_at + self.cost[pick[2]][pick[1]] > first_b[0]:
+                    pick = first_b
+        return max(self.free[r], pick[0]), pick
+
+    def run(self, start: float, r: int, op: int, s: int, k: int) -> None:
+        """Schedule `op` of stage s on microbatch k on rank r at `start`."""
+        finish = start + self.cost[s][op]
+        self.end[s][op][k] = finish
+        self.free[r] = finish
+        self.remaining[r] -= 1
+        self.out[r].append(Action(s, _OPS[op], k))
+        if op == _F:
+            self.next_k[s][0] += 1
+            self.held[r] += 1
+        elif op == _B:
+            self.next_k[s][1] += 1
+            self.pending_w[s].append(k)
+        else:
+            self.pending_w[s].pop(0)
+            self.held[r] -= 1

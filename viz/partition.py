@@ -270,16 +270,45 @@ def _draw_graph(
 ) -> None:
     """Nodes in execution order, snaking left-to-right then right-to-left, so consecutive
     nodes sit side by side; later-than-next edges (skips) are drawn as arcs."""
-    pos = []
-    for i in range(len(items)):
-        row, col = divmod(i, cols)
-        column = col if row % 2 == 0 else cols - 1 - col
-        pos.append((float(column), -float(row)))
+    pos = _snake_positions(len(items), cols)
     biggest = max(item["count"] for item in items)
     sizes = [
         80 + 320 * math.sqrt(item["count"] / biggest) if condensed else 110.0 for item in items
     ]
-    colors = [stage_color(it["stage"]) if it["stage"] >= 0 else UNPLACED_COLOR for it in items]
+    _draw_edges(ax, edges, pos, sizes)
+    _draw_nodes(ax, items, pos, sizes)
+    _label_nodes(ax, items, pos, condensed)
+    rows = -min(p[1] for p in pos)
+    ax.set_xlim(-0.7, cols - 0.3)
+    ax.set_ylim(-rows - 0.7, 0.7)
+    ax.set_axis_off()
+    _stage_legend(ax, sorted({it["stage"] for it in items}))
+    what = (
+        f"captured graph: {graph.number_of_nodes()} nodes condensed to {len(items)} groups "
+        "(module, node count), in execution order"
+        if condensed
+        else f"captured graph: {graph.number_of_nodes()} nodes in execution order"
+    )
+    ax.set_title(f"{what}; {num_stages} stages", loc="left", fontsize="medium")
+
+
+def _snake_positions(count: int, cols: int) -> list[tuple[float, float]]:
+    """(x, y) of `count` items laid out in rows of `cols`, every other row right-to-left."""
+    pos = []
+    for i in range(count):
+        row, col = divmod(i, cols)
+        column = col if row % 2 == 0 else cols - 1 - col
+        pos.append((float(column), -float(row)))
+    return pos
+
+
+def _draw_edges(
+    ax: Axes,
+    edges: dict[tuple[int, int], float],
+    pos: list[tuple[float, float]],
+    sizes: list[float],
+) -> None:
+    """One arrow per edge: straight to the next item, a low arc for skips."""
     for a, b in sorted(edges):
         (xa, ya), (xb, yb) = pos[a], pos[b]
         adjacent = b == a + 1
@@ -300,6 +329,16 @@ def _draw_graph(
                 gid="edge",
             )
         )
+
+
+def _draw_nodes(
+    ax: Axes,
+    items: list[dict[str, Any]],
+    pos: list[tuple[float, float]],
+    sizes: list[float],
+) -> None:
+    """The items as markers coloured and shaped by stage (one scatter per marker shape)."""
+    colors = [stage_color(it["stage"]) if it["stage"] >= 0 else UNPLACED_COLOR for it in items]
     by_marker: dict[str, list[int]] = {}
     for i, item in enumerate(items):
         by_marker.setdefault(stage_marker(max(item["stage"], 0)), []).append(i)
@@ -315,6 +354,12 @@ def _draw_graph(
             zorder=2,
             gid="nodes",
         )
+
+
+def _label_nodes(
+    ax: Axes, items: list[dict[str, Any]], pos: list[tuple[float, float]], condensed: bool
+) -> None:
+    """Each item's (shortened) label, with its node count when condensed."""
     for i, (item, (x, y)) in enumerate(zip(items, pos, strict=True)):
         label = item["label"] if len(item["label"]) <= 16 else item["label"][:15] + "…"
         if condensed and item["count"] > 1:
@@ -329,11 +374,10 @@ def _draw_graph(
             va="bottom" if above else "top",
             fontsize=6.5,
         )
-    rows = -min(p[1] for p in pos)
-    ax.set_xlim(-0.7, cols - 0.3)
-    ax.set_ylim(-rows - 0.7, 0.7)
-    ax.set_axis_off()
-    shown = sorted({it["stage"] for it in items})
+
+
+def _stage_legend(ax: Axes, shown: list[int]) -> None:
+    """A legend entry per stage shown (-1: nodes in no stage), outside the panel on the right."""
     handles = [
         Line2D(
             [],
@@ -355,13 +399,6 @@ def _draw_graph(
         frameon=False,
         fontsize="small",
     )
-    what = (
-        f"captured graph: {graph.number_of_nodes()} nodes condensed to {len(items)} groups "
-        "(module, node count), in execution order"
-        if condensed
-        else f"captured graph: {graph.number_of_nodes()} nodes in execution order"
-    )
-    ax.set_title(f"{what}; {num_stages} stages", loc="left", fontsize="medium")
 
 
 def _count(n: int, noun: str) -> str:
