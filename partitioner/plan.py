@@ -32,7 +32,10 @@ class Plan:
     fastest speed); `bound_ratio` = max(stage_costs) / lower_bound; `imbalance` = max / mean.
     `dynamic_dims`: the captured inputs' dynamic dims as "name[dim]" (torch.export; every other
     dim is static; None for a torch.fx capture, which keeps no shapes). `shared`: unit -> the
-    identical unit (same ops and shapes) whose profiled measurement it reuses."""
+    identical unit (same ops and shapes) whose profiled measurement it reuses.
+    `activations`: the activation policy per stage when the planner chose them
+    (``checkpoint_activations="auto"``), with `activation_peaks`, each pipeline rank's
+    predicted peak of held activation bytes under them."""
 
     stages: list[list[str]]
     forward_times: list[float]
@@ -47,6 +50,8 @@ class Plan:
     method: str
     dynamic_dims: list[str] | None = None
     shared: dict[str, str] = field(default_factory=dict)
+    activations: list[str] | None = None
+    activation_peaks: list[float] | None = None
 
     @property
     def sizes(self) -> list[int]:
@@ -83,6 +88,13 @@ class Plan:
             rows.append(
                 f"dynamic dims: {', '.join(self.dynamic_dims) or 'none'} (others static; a "
                 "later batch that changes one is captured again with it dynamic)"
+            )
+        if self.activations is not None and self.activation_peaks is not None:
+            rows.append(
+                "activations (auto): " + ", ".join(
+                    f"stage {k} {p}" for k, p in enumerate(self.activations))
+                + "; predicted peak held per rank: "
+                + ", ".join(_size(b) for b in self.activation_peaks)
             )
         if self.shared:
             measured = sorted(set(self.shared.values()))

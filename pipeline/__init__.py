@@ -4,5 +4,6 @@ periodic checkpoints; pipeline.elastic)."""
 
 from pipeline.api import Pipeline
 from pipeline.elastic import Checkpointer
+from pipeline.planning.activation_policies import Selective
 
-__all__ = ["Checkpointer", "Pipeline"]
+__all__ = ["Checkpointer", "Pipeline", "Selective"]

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
 from partitioner import Captured, Plan, StageModule
+from partitioner.saved_bytes import SavedBytes
 from pipeline.elastic.layout import choose_layout
-from pipeline.execution.activations import Selective, check_policies
 from pipeline.execution.compiled import compile_options
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
@@ -41,6 +41,7 @@ from pipeline.facade.running import (
 from pipeline.facade.settings import check_settings, executor_for
 from pipeline.facade.setup import Setup
 from pipeline.facade.state import ModelState
+from pipeline.planning.activation_policies import Selective, check_policies
 from pipeline.planning.autoplan import AutoPlan
 from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import StageCosts
@@ -144,7 +145,7 @@ class Pipeline:
         )
         self.loss_fn = loss_fn
         self.grad_accumulation = check_grad_accumulation(grad_accumulation)
-        self.checkpoint_activations = check_policies(checkpoint_activations)
+        self.checkpoint_activations = check_policies(checkpoint_activations, memory_limit)
         self.timeout = resolve_timeout(timeout)
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard)
         self.shard = self._executor.shard
@@ -158,6 +159,7 @@ class Pipeline:
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
             leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
             loss_fn=loss_fn, dynamic_dims=dynamic_dims,
+            auto_activations=self.checkpoint_activations == "auto",
         )
         self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
         self._metrics = Metrics()
@@ -279,6 +281,14 @@ class Pipeline:
     def plan(self) -> Plan:
         """The partition (stages, nodes, predicted costs, imbalance)."""
         return self._setup.require_plan().plan
+
+    def count_saved_activations(self) -> dict[int, SavedBytes]:
+        """Count, from the next step on, the bytes each pipeline rank run in this process
+        keeps for its backward (what ``checkpoint_activations`` decides; each storage once,
+        parameters not counted; partitioner.saved_bytes): pipeline rank -> meter, whose
+        ``peak`` after a step is that rank's peak. Once the plan is made."""
+        self._setup.require_plan()
+        return self._executor.count_saved()
 
     @property
     def stage_modules(self) -> list[StageModule]:

@@ -17,19 +17,21 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from partitioner import StageModule
-from pipeline.execution.activations import Policy, stage_policies
+from partitioner.saved_bytes import SavedBytes
 from pipeline.execution.compiled import CompileOptions, CompileStats, compiled_stage
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.stage_io import weighted_loss
+from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
 from pipeline.planning.microbatch import Microbatches, batch_size, merge_microbatches
 from scheduler import Schedule
 
 if TYPE_CHECKING:
     from pipeline.execution.distributed.context import DistContext
+    from pipeline.execution.runtime import RankRuntime
 
 
 class Executor(ABC):
@@ -49,6 +51,7 @@ class Executor(ABC):
         self.activations: tuple[Policy, ...] = ()  # each stage's policy, once loaded
         self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
         self.weights_checked = False  # no meta tensor held (checked before the first step)
+        self.saved_bytes: dict[int, SavedBytes] = {}  # pipeline rank -> its meter, if counting
         self.compile: CompileOptions | None = None  # the Pipeline's compile= (set before `load`)
         self.compile_stats = CompileStats()
 
@@ -72,7 +75,9 @@ class Executor(ABC):
         """Take the plan: place the stages this process holds on their devices (freeing the
         others') and get ready to run. `checkpoint_activations`: the activation policy, one
         for all stages or one per stage (pipeline.execution.activations)."""
-        self.activations = stage_policies(checkpoint_activations, planned.schedule.num_stages)
+        self.activations = stage_policies(
+            checkpoint_activations, planned.schedule.num_stages, planned.plan.activations
+        )
         self.planned = planned
         self.loss_fn = loss_fn
         self.reload()
@@ -122,6 +127,23 @@ class Executor(ABC):
         if names:
             raise ValueError(meta_message(names, self.describe()))
         self.weights_checked = True
+
+    def count_saved(self) -> dict[int, SavedBytes]:
+        """From now on, count the bytes each pipeline rank run here keeps for its backward
+        (partitioner.saved_bytes): pipeline rank -> its meter (`held`, `peak`). Once the
+        plan is made (example_input= or a first step)."""
+        runtimes = self._runtimes()
+        if not runtimes:
+            raise RuntimeError("nothing runs here yet: count once the plan is made "
+                               "(example_input=... or after a first step)")
+        self.saved_bytes = {runtime.rank: SavedBytes() for runtime in runtimes}
+        for runtime in runtimes:
+            runtime.saved = self.saved_bytes.get(runtime.rank)
+        return self.saved_bytes
+
+    @abstractmethod
+    def _runtimes(self) -> list[RankRuntime]:
+        """The rank runtimes this process runs (none before `load`)."""
 
     @abstractmethod
     def held(self) -> dict[int, StageModule]:

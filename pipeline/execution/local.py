@@ -221,6 +221,9 @@ class LocalExecutor(Executor):
         self.weights_checked = False
         self._build_runtimes()
 
+    def _runtimes(self) -> list[RankRuntime]:
+        return list(self.runtimes)
+
     def _build_runtimes(self) -> None:
         """Runtimes, mailboxes and cancel token for the next step: after a cancelled step
         they are new, since its stuck workers may still hold the old ones."""
@@ -247,6 +250,7 @@ class LocalExecutor(Executor):
                 precision=self.precision,
                 abort=self.abort,
                 statistics=statistics,
+                saved=self.saved_bytes.get(rank),
             )
             for rank in range(schedule.num_ranks)
         ]

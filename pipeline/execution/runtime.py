@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
-from pipeline.execution.activations import Policy, recomputes
+from partitioner.saved_bytes import SavedBytes
 from pipeline.execution.cancel import CancelToken, PipelineAborted
 from pipeline.execution.grads import (
     Restored,
@@ -66,6 +66,7 @@ from pipeline.execution.stage_io import (
 )
 from pipeline.execution.stage_run import stage_run
 from pipeline.execution.step_state import StepState
+from pipeline.planning.activation_policies import Policy, recomputes
 from scheduler import Action, Event, Op, Recv, Schedule, Send, forward_only
 
 
@@ -88,6 +89,8 @@ class RankRuntime:
 
     `precision` (pipeline.execution.precision): the autocast each stage's forward and its
     recomputation run under, the fp32 loss, and the loss scale a backward starts from.
+    `saved`: a `partitioner.saved_bytes.SavedBytes` counting the bytes the training
+    forwards keep for their backward (off when None).
     `activations`: each stage's activation policy (pipeline.execution.activations; "none"
     when absent). A stage under a recompute policy computes its weight grads in B even when
     the schedule splits backward (its W is then empty), so its blocks are recomputed once.
@@ -107,6 +110,7 @@ class RankRuntime:
         abort: CancelToken | None = None,
         statistics: Collection[str] = (),
         precision: Precision | None = None,
+        saved: SavedBytes | None = None,
     ) -> None:
         expected = set(schedule.stages_of(rank))
         if set(stages) != expected:
@@ -121,6 +125,7 @@ class RankRuntime:
         self.device = torch.device(device)
         self.loss_fn = loss_fn
         self.statistics = frozenset(statistics)
+        self.saved = saved  # counts what training forwards keep for the backward, if given
         self.precision = precision or Precision()
         self.on_stage_done = on_stage_done
         self.abort = abort
@@ -277,7 +282,8 @@ class RankRuntime:
         # may work in place on its input (e.g. ReLU(inplace=True)), which a leaf forbids.
         args = tuple(t.clone() if t.requires_grad and t.is_leaf else t for t in inputs)
         run = self._runs[stage] if train else self.precision.stage(module, self.device)
-        outputs = run(*args)
+        with self.saved.counting() if train and self.saved is not None else nullcontext():
+            outputs = run(*args)
         outputs = check_stage_outputs(outputs, stage, last=step.writes is None)
         if step.writes is None:  # the last stage
             if not train:

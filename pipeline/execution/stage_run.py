@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from pipeline.execution.activations.offload import offloaded
-from pipeline.execution.activations.policies import OFFLOAD, Policy, recomputes
 from pipeline.execution.activations.recompute import recomputed
 from pipeline.execution.precision import Precision
+from pipeline.planning.activation_policies import OFFLOAD, Policy, recomputes
 
 
 def stage_run(

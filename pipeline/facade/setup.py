@@ -47,6 +47,7 @@ class Setup:
         virtual_stages: int | str | None, balance: str | Sequence[int],
         leaf_modules: tuple[type, ...] | None, memory_limit: float | None, capture_method: str,
         loss_fn: LossFn | None, dynamic_dims: Sequence[int] = (),
+        auto_activations: bool = False,
     ) -> Setup:
         """The planner for these settings, once every process is checked to have built the
         same Pipeline (under torch.distributed; pipeline.planning.settings). Plans nothing:
@@ -56,7 +57,7 @@ class Setup:
                 model, stages, schedule=schedule, microbatches=microbatches,
                 virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
                 memory_limit=memory_limit, capture_method=capture_method,
-                dynamic_dims=dynamic_dims,
+                dynamic_dims=dynamic_dims, auto_activations=auto_activations,
             )
         ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from partitioner import Captured
-from pipeline.planning.costs import StageCosts, costs_for_stages, predict, predict_summary
+from pipeline.planning.activation_plan import choose
+from pipeline.planning.costs import (
+    StageCosts,
+    costs_for_stages,
+    predict,
+    predict_summary,
+    with_policies,
+)
 from pipeline.planning.synthesis import OPTIMIZER_FACTOR, SYNTH, inflight_limits, synthesized
 from scheduler import SCHEDULES, Schedule, Timeline, build_schedule
 from scheduler.simulate import peak_held
@@ -57,6 +64,7 @@ class Candidate:
     bubble: float
     peak_memory: tuple[float, ...]
     built: Schedule | None = field(default=None, compare=False, repr=False)
+    activations: tuple[str, ...] = ()  # the policy per stage, when the search chose them
 
     @property
     def max_memory(self) -> float:
@@ -139,6 +147,7 @@ def _scaled(costs: StageCosts, factor: float) -> StageCosts:
         input_grad=[x * factor for x in costs.input_grad],
         weight_grad=[x * factor for x in costs.weight_grad],
         activation_bytes=[x * factor for x in costs.activation_bytes],
+        prices=None if costs.prices is None else costs.prices.scaled(factor),
     )
 
 
@@ -185,6 +194,7 @@ class Pricing:
     overhead: float = 0.0
     dp_bandwidth: float | None = None
     memory_limit: float | None = None
+    choose_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +278,7 @@ def search(
     dp_bandwidth: float | None = None,
     keep: int = 20,
     synthesized_configs: int = 2,
+    choose_activations: bool = False,
 ) -> AutoPlan:
     """Rank configurations of a profiled `captured` model (profiled on microbatches of
     `profiled_batch` samples) for `world_size` devices and `batch_size` samples per step.
@@ -276,12 +287,16 @@ def search(
     can be cut into); dp = world_size // pp. `schedules` (default all, "synth" included),
     `microbatches` (default `default_microbatches`) and `virtual_stages` restrict the search.
     `keep` best candidates are returned; a schedule is synthesised for the
-    `synthesized_configs` best (pp, m, v). See the module docstring for the model."""
+    `synthesized_configs` best (pp, m, v). With `choose_activations` (units priced by
+    partitioner.activation_cost), each candidate runs the activation policy per stage that
+    `pipeline.planning.activation_plan.choose` picks for its schedule under the limit, at
+    the time it adds. See the module docstring for the model."""
     started = time.perf_counter()
     names = _checked_names(world_size, batch_size, profiled_batch, memory_limit, schedules)
     nodes = len(captured)
     pps = _pipeline_depths(pp, world_size, nodes)
-    pricing = Pricing(optimizer_factor, latency, overhead, dp_bandwidth, memory_limit)
+    pricing = Pricing(optimizer_factor, latency, overhead, dp_bandwidth, memory_limit,
+                      choose_activations)
     ranking = _Ranking(keep)
     costs = _StageCostsCache(captured, ranking.notes)
     for group in _groups(pps, names, virtual_stages, world_size, batch_size, nodes, costs,
@@ -454,8 +469,14 @@ def _evaluate(trial: Trial, pricing: Pricing, bound: float | None) -> Candidate 
         allreduce = 2 * (dp - 1) / dp * max(params) / pricing.dp_bandwidth
     costs = _scaled(trial.base, trial.factor)
     # Peak memory needs only the action order, so over-cap candidates are never simulated.
-    memory = tuple(f + a for f, a in zip(fixed, peak_held(schedule, costs.activation_bytes),
-                                           strict=True))
+    held = peak_held(schedule, costs.activation_bytes)
+    if pricing.choose_activations and costs.prices is not None:
+        choice = choose(schedule, costs.prices, fixed, limit)
+        if choice is None:
+            return Rejection.ACTIVATIONS
+        costs = with_policies(costs, choice.policies, schedule.splits_backward)
+        held = choice.peaks
+    memory = tuple(f + a for f, a in zip(fixed, held, strict=True))
     if limit is not None and max(memory) > limit:
         return Rejection.ACTIVATIONS
     if bound is not None and _lower_bound(schedule, costs, pricing.overhead) + allreduce >= bound:
@@ -473,6 +494,7 @@ def _evaluate(trial: Trial, pricing: Pricing, bound: float | None) -> Candidate 
         allreduce_time=allreduce,
         bubble=timeline.bubble_fraction,
         peak_memory=memory,
+        activations=costs.policies,
     )
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner import Captured, Plan, partition
+from pipeline.planning.activation_plan import RECOMPUTING, PolicyPrices, priced
 from scheduler import Schedule, Timeline, simulate
 from scheduler.simulate import Summary, summarize
 
@@ -26,6 +27,8 @@ class StageCosts:
     weight_grad: list[float]
     activation_bytes: list[float]
     param_bytes: list[float]
+    prices: PolicyPrices | None = None  # each activation policy's, when the units were priced
+    policies: tuple[str, ...] = ()  # the activation policy per stage these costs include
 
     @property
     def backward(self) -> list[float]:
@@ -56,7 +59,30 @@ def stage_costs(captured: Captured, plan: Plan) -> StageCosts:
         ],
         activation_bytes=[total(s, "activation_bytes") for s in plan.stages],
         param_bytes=[float(p) for p in plan.stage_params],
+        prices=priced(captured.nodes, plan.stages),
     )
+
+
+def with_policies(costs: StageCosts, policies: Sequence[str], splits_backward: bool
+                  ) -> StageCosts:
+    """`costs` of stages running under activation `policies` (one name per stage; see
+    pipeline.planning.activation_plan): the kept bytes as activations, the time each adds to
+    F and B; a recomputing stage of a split-backward schedule takes its W into its B."""
+    prices = costs.prices
+    if prices is None:
+        raise ValueError("these costs carry no activation prices: price the units first "
+                         "(partitioner.activation_cost.price_policies)")
+    n = costs.num_stages
+    forward = [costs.forward[s] + prices.forward[p][s] for s, p in enumerate(policies)]
+    input_grad = [costs.input_grad[s] + prices.backward[p][s] for s, p in enumerate(policies)]
+    weight_grad = list(costs.weight_grad)
+    if splits_backward:
+        for s, p in enumerate(policies):
+            if p in RECOMPUTING:
+                input_grad[s], weight_grad[s] = input_grad[s] + weight_grad[s], 0.0
+    return replace(costs, forward=forward, input_grad=input_grad, weight_grad=weight_grad,
+                   activation_bytes=[prices.kept[p][s] for s, p in enumerate(policies)][:n],
+                   policies=tuple(policies))
 
 
 def costs_for_stages(

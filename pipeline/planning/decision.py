@@ -129,7 +129,9 @@ class Decision:
         return self.schedule.num_microbatches
 
     def repartitioned(self, plan: Plan) -> Decision:
-        """This decision with another partition (its stages split anew; costs unknown)."""
+        """This decision with another partition (its stages split anew; costs unknown; the
+        activation policies chosen per stage, if any, kept)."""
+        plan = with_activations_of(plan, self.plan)
         return dataclasses.replace(
             self, plan=plan, modules=tuple(split_model(self.captured, plan)), costs=None
         )
@@ -137,3 +139,12 @@ class Decision:
     def rescheduled(self, schedule: Schedule) -> Decision:
         """This decision running another schedule of the same stages and microbatches."""
         return dataclasses.replace(self, schedule=schedule)
+
+
+def with_activations_of(plan: Plan, earlier: Plan) -> Plan:
+    """`plan` with the activation policies ``checkpoint_activations="auto"`` chose for
+    `earlier` (the same stages, moved boundaries), when it chose them."""
+    if earlier.activations is None or plan.activations is not None:
+        return plan
+    return dataclasses.replace(plan, activations=earlier.activations,
+                               activation_peaks=earlier.activation_peaks)

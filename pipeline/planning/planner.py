@@ -25,7 +25,10 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from partitioner import Captured, CaptureError, capture, partition, profile, split_model
+from partitioner.activation_cost import price_policies
 from partitioner.estimate import estimate
+from pipeline.planning.activation_plan import planned_activations
+from pipeline.planning.activation_policies import SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
 from pipeline.planning.costs import stage_costs
 from pipeline.planning.decision import (
@@ -36,6 +39,7 @@ from pipeline.planning.decision import (
     FirstBatch,
     Pairs,
     Partition,
+    with_activations_of,
 )
 from pipeline.planning.microbatch import Microbatches, batch_size
 from pipeline.planning.settings import input_settings, schedule_setting
@@ -49,6 +53,7 @@ from pipeline.planning.shapes import (
     still_static,
     with_dims,
 )
+from pipeline.planning.synthesis import OPTIMIZER_FACTOR
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
@@ -141,6 +146,7 @@ class Planner:
         memory_limit: float | None = None,
         capture_method: str = "auto",
         dynamic_dims: Sequence[int] = (),
+        auto_activations: bool = False,
     ) -> None:
         self.model = model
         self.capture_method = capture_method
@@ -151,6 +157,8 @@ class Planner:
         self.auto_microbatches = microbatches == AUTO
         self.auto_virtual_stages = virtual_stages == AUTO
         self.memory_limit = memory_limit
+        # checkpoint_activations="auto": a policy per stage chosen under memory_limit.
+        self.auto_activations = auto_activations
         self.virtual_stages = virtual_stages if isinstance(virtual_stages, int) else None
         self.balance = balance
         self.leaf_modules = leaf_modules
@@ -243,6 +251,8 @@ class Planner:
         with how.phase("auto-planning (capture and profiling of the model)"):
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
             measure(captured, self.model, example, how.device)
+            if self.auto_activations:
+                price_policies(captured, example, SELECTIVE_SAVE_OPS)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
         profiled = captured if auto.microbatches == m else None  # reused: same microbatch
         if profiled is None:
@@ -266,13 +276,20 @@ class Planner:
 
     def _partition(self, captured: Captured, schedule: Schedule, example: tuple[Any, ...],
                    profiled: bool, how: Coordination) -> Partition:
-        """(The leader) the partition, and the stage costs while it holds the whole model."""
-        if self.balance == "profile" and not profiled:
+        """(The leader) the partition, and the stage costs while it holds the whole model;
+        with checkpoint_activations="auto", the policy per stage in the plan."""
+        costed = self.balance == "profile" or self.auto_activations
+        if costed and not profiled:
             with how.phase("profiling of the model"):
                 measure(captured, self.model, example, how.device)
+                if self.auto_activations:
+                    price_policies(captured, example, SELECTIVE_SAVE_OPS)
         with how.phase("partitioning of the model"):
             plan = partition(captured, schedule.num_stages, self.balance)
-            costs = stage_costs(captured, plan) if self.balance == "profile" else None
+            costs = stage_costs(captured, plan) if costed else None
+            if self.auto_activations and costs is not None:
+                plan = planned_activations(plan, costs.prices, schedule, self.memory_limit,
+                                           OPTIMIZER_FACTOR)
         return Partition(plan, costs)
 
     def _capture(self, inputs: CaptureInputs, method: str | None = None) -> Captured:
@@ -301,6 +318,7 @@ class Planner:
             else [self.microbatches or min(2 * self.ranks, size)],
             virtual_stages=None if self.auto_virtual_stages or self.virtual_stages is None
             else [self.virtual_stages],
+            choose_activations=self.auto_activations,
         )
         best = ranking.best
         return AutoChoice(best.schedule, best.microbatches, best.virtual_stages, best.built,
@@ -360,7 +378,7 @@ class Planner:
                 measure(captured, self.model, decision.example, how.device)
             plan = partition(captured, decision.schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if self.balance == "profile" else None
-        plan = with_dims(plan, captured)
+        plan = with_activations_of(with_dims(plan, captured), decision.plan)
         return dataclasses.replace(
             decision, plan=plan, captured=captured, capture=inputs,
             modules=tuple(split_model(captured, plan)), costs=costs,

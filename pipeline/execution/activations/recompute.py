@@ -1,5 +1,5 @@
 """A stage's training forward under a recompute policy ("full" or "selective"): its blocks
-(pipeline.execution.activations.blocks) run one by one, each under non-reentrant
+(partitioner.blocks) run one by one, each under non-reentrant
 ``torch.utils.checkpoint``, so the backward recomputes one block at a time. "selective" adds
 torch's op-level selective checkpointing: the outputs of the `Selective.save` ops are kept
 and only the other ops are recomputed.
@@ -18,8 +18,8 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from pipeline.execution.activations.blocks import BlockChain
-from pipeline.execution.activations.policies import Selective
+from partitioner.blocks import BlockChain
+from pipeline.planning.activation_policies import Selective
 
 
 @contextmanager

@@ -160,6 +160,7 @@ class DistributedExecutor(Executor):
                 precision=self.precision,
                 on_stage_done=self.grads.start,
                 statistics=statistics,
+                saved=self.saved_bytes.get(self.layout.pp_rank),
             )
         self.context.agreement.sync("the start")  # every process is built: tensors may move
         self.context.mesh  # noqa: B018 - the process groups, made in this order everywhere
@@ -168,6 +169,10 @@ class DistributedExecutor(Executor):
             self.ties.rebind(self.planned.model)
             self.ties.start()
         self.sharding.attach(self.planned.model, self._mine, self.ties)
+
+    def _runtimes(self) -> list[RankRuntime]:
+        runtime: RankRuntime | None = getattr(self, "runtime", None)  # set by reload
+        return [runtime] if runtime is not None else []
 
     def held(self) -> dict[int, StageModule]:
         return dict(self._mine)

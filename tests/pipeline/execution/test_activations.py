@@ -14,9 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline import Pipeline
-from pipeline.execution.activations import Selective
-from pipeline.execution.activations.blocks import BlockChain, block_key
+from partitioner.blocks import BlockChain, block_key
+from pipeline import Pipeline, Selective
 from pipeline.planning import planner
 from tests.support.capture_memo import memo_capture
 from tests.support.models import lm_loss, make_model

@@ -6,12 +6,13 @@ A block is a maximal run of the stage graph's nodes that belong to one module un
 container (``blocks.3``, ``transformer.h.0``, ``model.layers.7``, a Sequential's ``2``: the
 module path up to its first numeric part); nodes outside such containers (embeddings, the
 final norm and head, top-level ops) form blocks of their own runs. Nodes with no module (a
-parameter read, a shape lookup) join the block of the next node that has one.
+shape lookup) join the block of the next node that has one.
 
 Each block is an fx.GraphModule over the stage's graph nodes, taking the values it reads from
 earlier blocks (or the stage's inputs) and returning those later blocks read; the last block
 ends with the stage's own output. Blocks read parameters and submodules through the stage
-module itself, so the step-private leaves the runtime swaps into it are what they use."""
+module itself, so the step-private leaves the runtime swaps into it are what they use; a
+parameter is read in each block that uses it, never passed between blocks."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class Block:
     """One block: its module, the names of the values it takes and returns, and the values no
     later block reads (dropped once it has run)."""
 
-    module: nn.Module
+    module: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     done: tuple[str, ...]
@@ -130,7 +131,10 @@ def _block(
     inputs: list[str] = []
 
     def read(arg: fx.Node) -> fx.Node:
-        if arg.name not in env:
+        if arg.name not in env and arg.op == "get_attr":  # re-read where used, never passed
+            env[arg.name] = graph.get_attr(str(arg.target))
+            env[arg.name].meta = dict(arg.meta)
+        elif arg.name not in env:
             inputs.append(arg.name)
             env[arg.name] = graph.placeholder(arg.name)
             env[arg.name].meta = dict(arg.meta)
@@ -185,7 +189,7 @@ class BlockChain:
         nodes = list(stage.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         output = next(n for n in nodes if n.op == "output")
-        cut = runs([n for n in nodes if n.op not in ("placeholder", "output")])
+        cut = runs([n for n in nodes if n.op not in ("placeholder", "output", "get_attr")])
         while True:
             reads = _reads_after(cut, output)
             writes = [_writes_of_taken(members, stage) for members in cut]

@@ -1,24 +1,27 @@
-"""The activation policies a stage can run under, and the check of the user's
+"""The activation policies a stage can run under (pipeline.execution.stage_run applies them),
+and the check of the user's
 ``checkpoint_activations=`` value: a policy name, a `Selective` with its own op list, True /
-False, or one policy per stage.
+False, "auto" (the planner chooses per stage under ``memory_limit``,
+pipeline.planning.activation_plan), or one policy per stage.
 
 - "none": keep every tensor the backward needs (fastest, most memory).
 - "full": keep each block's inputs only and recompute the block in the backward, one block
-  at a time (pipeline.execution.activations.blocks; torch.utils.checkpoint per block).
+  at a time (partitioner.blocks; torch.utils.checkpoint per block).
 - "selective": keep each block's inputs and the outputs of the ops in `Selective.save`
   (matmuls, convolutions, attention), recompute the rest (op-level selective activation
   checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
-- "offload": keep every tensor, in host memory (``torch.autograd.graph.save_on_cpu``;
-  pipeline.execution.activations.offload on CUDA, copies on a side stream).
+- "offload": keep every tensor, in pinned host memory (``torch.autograd.graph.save_on_cpu``;
+  pipeline.execution.activations.offload); on a CPU device nothing moves ("none").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-NONE, FULL, SELECTIVE, OFFLOAD = "none", "full", "selective", "offload"
+NONE, FULL, SELECTIVE, OFFLOAD, AUTO = "none", "full", "selective", "offload", "auto"
 POLICIES = (NONE, FULL, SELECTIVE, OFFLOAD)
 
 _aten = torch.ops.aten
@@ -66,8 +69,8 @@ Policy = str | Selective
 """One stage's policy once checked: "none", "full", "offload" or a `Selective`."""
 
 _ACCEPTED = (
-    f"one of {list(POLICIES)}, True (= 'full'), False (= 'none'), a "
-    "pipeline.execution.activations.Selective, or a list with one of those per stage"
+    f"one of {[*POLICIES, AUTO]}, True (= 'full'), False (= 'none'), a "
+    "pipeline.Selective, or a list with one of those per stage"
 )
 
 
@@ -81,9 +84,17 @@ def _one(value: object) -> Policy:
     raise ValueError(f"checkpoint_activations={value!r} is not a policy; give {_ACCEPTED}")
 
 
-def check_policies(value: object) -> object:
+def check_policies(value: object, memory_limit: float | None) -> object:
     """`value` checked as ``checkpoint_activations=`` (stage count not known yet): a
-    ValueError naming the accepted values otherwise. Returns it unchanged."""
+    ValueError naming the accepted values otherwise, or for "auto" without a memory limit.
+    Returns it unchanged."""
+    if isinstance(value, str) and value == AUTO:
+        if memory_limit is None:
+            raise ValueError(
+                'checkpoint_activations="auto" chooses per stage the cheapest policy that fits '
+                "a memory limit: pass memory_limit= (bytes per device), or name a policy"
+            )
+        return value
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"checkpoint_activations=[] names no policy; give {_ACCEPTED}")
@@ -94,9 +105,14 @@ def check_policies(value: object) -> object:
     return value
 
 
-def stage_policies(value: object, num_stages: int) -> tuple[Policy, ...]:
-    """One checked policy per stage from a ``checkpoint_activations=`` value other than
-    "auto" (which the planner resolves to such a list)."""
+def stage_policies(value: object, num_stages: int,
+                   chosen: Sequence[str] | None = None) -> tuple[Policy, ...]:
+    """One checked policy per stage from a ``checkpoint_activations=`` value; for "auto",
+    the planner's choice `chosen` (pipe.plan.activations)."""
+    if isinstance(value, str) and value == AUTO:
+        if chosen is None:
+            raise RuntimeError('checkpoint_activations="auto" but the plan chose no policies')
+        value = list(chosen)
     if isinstance(value, (list, tuple)):
         if len(value) != num_stages:
             raise ValueError(

@@ -1,0 +1,168 @@
+"""The price of each activation policy per stage, and the per-stage choice behind
+``checkpoint_activations="auto"``: for every rank, the cheapest policies (least time added to
+its forwards and backwards) that keep the rank's peak (parameters x optimizer factor + the
+held activations, at the peak the schedule's action order makes) under the memory limit.
+
+Prices come from the units' measurements (partitioner.activation_cost) summed over a stage:
+- "none": keeps ``kept_none`` bytes per microbatch, adds nothing;
+- "full": keeps ``kept_full`` (block inputs), adds one forward to B (the recomputation);
+- "selective": keeps ``kept_selective``, its forward costs ``forward_selective`` forwards
+  (caching the saved ops' outputs) and B adds ``replay_selective`` forwards;
+- "offload": keeps nothing on the device, adds the copy out to F and the copy back to B
+  (``offload_time`` each way); on a CPU device (no ``offload_time``) it is "none".
+A recomputing stage of a split-backward schedule takes its weight grads in B (W is empty), as
+the runtime does. Peaks count a microbatch's activations from its F to its last backward."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from partitioner import Plan
+from pipeline.planning.activation_policies import FULL, NONE, OFFLOAD, POLICIES, SELECTIVE
+from scheduler import Op, Schedule
+
+RECOMPUTING = (FULL, SELECTIVE)
+
+
+@dataclass(frozen=True)
+class PolicyPrices:
+    """Per policy name, per stage, for one microbatch: bytes kept for the backward, and
+    seconds added to the forward and to the backward."""
+
+    kept: dict[str, list[float]]
+    forward: dict[str, list[float]]
+    backward: dict[str, list[float]]
+
+    def scaled(self, factor: float) -> PolicyPrices:
+        """For a microbatch `factor` times the measured one (bytes and times linear)."""
+        def times(d: dict[str, list[float]]) -> dict[str, list[float]]:
+            return {k: [x * factor for x in v] for k, v in d.items()}
+        return PolicyPrices(times(self.kept), times(self.forward), times(self.backward))
+
+
+def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
+    """The prices of `stages` (unit names per stage) from the units' attributes (`nodes`, a
+    capture's node view) once priced (partitioner.activation_cost) and profiled; None
+    before."""
+    units = [v for stage in stages for v in stage]
+    if not units or not all("kept_none" in nodes[v] and "forward_time" in nodes[v]
+                            for v in units):
+        return None
+
+    def total(stage: Sequence[str], key: str) -> float:
+        return float(sum(nodes[v][key] for v in stage))
+
+    def scaled_forward(stage: Sequence[str], key: str, minus: float = 0.0) -> float:
+        return float(sum(nodes[v]["forward_time"] * (nodes[v][key] - minus) for v in stage))
+
+    forward_time = [total(s, "forward_time") for s in stages]
+    zero = [0.0] * len(stages)
+    on_host = all(nodes[v]["offload_time"] is None for v in units)  # a CPU device
+    offload = zero if on_host else [total(s, "offload_time") for s in stages]
+    kept_none = [total(s, "kept_none") for s in stages]
+    return PolicyPrices(
+        kept={NONE: kept_none,
+              FULL: [total(s, "kept_full") for s in stages],
+              SELECTIVE: [total(s, "kept_selective") for s in stages],
+              OFFLOAD: list(kept_none) if on_host else list(zero)},
+        forward={NONE: list(zero), FULL: list(zero),
+                 SELECTIVE: [max(0.0, scaled_forward(s, "forward_selective", 1.0))
+                             for s in stages],
+                 OFFLOAD: offload},
+        backward={NONE: list(zero), FULL: forward_time,
+                  SELECTIVE: [scaled_forward(s, "replay_selective") for s in stages],
+                  OFFLOAD: offload},
+    )
+
+
+def rank_peak(schedule: Schedule, rank: int, kept: Sequence[float],
+              freed_at_b: Sequence[bool]) -> float:
+    """The rank's peak held activation bytes: a microbatch's `kept[stage]` from its F to its
+    B (stages in `freed_at_b`, and every stage of an unsplit schedule) or its W."""
+    held = peak = 0.0
+    for a in schedule.actions[rank]:
+        if a.op is Op.F:
+            held += kept[a.stage]
+            peak = max(peak, held)
+        elif a.op is Op.B and (freed_at_b[a.stage] or not schedule.splits_backward):
+            held -= kept[a.stage]
+        elif a.op is Op.W and not freed_at_b[a.stage]:
+            held -= kept[a.stage]
+    return peak
+
+
+def peaks(schedule: Schedule, prices: PolicyPrices, policies: Sequence[str]) -> list[float]:
+    """Each rank's peak held activation bytes under `policies` (one name per stage)."""
+    kept = [prices.kept[p][s] for s, p in enumerate(policies)]
+    freed = [p in RECOMPUTING for p in policies]
+    return [rank_peak(schedule, r, kept, freed) for r in range(schedule.num_ranks)]
+
+
+@dataclass(frozen=True)
+class ActivationChoice:
+    """The policy per stage and each rank's predicted peak of held activation bytes."""
+
+    policies: tuple[str, ...]
+    peaks: tuple[float, ...]
+
+
+def choose(schedule: Schedule, prices: PolicyPrices, fixed: Sequence[float],
+           limit: float | None, *, cheapest: bool = True) -> ActivationChoice | None:
+    """Per rank, the policies of its stages adding the least time whose peak plus the rank's
+    `fixed` bytes (parameters x optimizer factor) fits `limit` (no limit: "none"
+    everywhere); None when some rank fits under no combination. With `cheapest=False`, the
+    policies of the smallest peak instead (what a rank needs at least)."""
+    policies = [NONE] * schedule.num_stages
+    peaks_: list[float] = []
+    m = schedule.num_microbatches
+    for rank in range(schedule.num_ranks):
+        stages = schedule.stages_of(rank)
+        best: tuple[float, float, tuple[str, ...]] | None = None
+        for combo in itertools.product(POLICIES, repeat=len(stages)):
+            trial = list(policies)
+            for s, p in zip(stages, combo, strict=True):
+                trial[s] = p
+            peak = rank_peak(schedule, rank, [prices.kept[p][s] for s, p in enumerate(trial)],
+                             [p in RECOMPUTING for p in trial])
+            if limit is not None and peak + fixed[rank] > limit:
+                continue
+            added = m * sum(prices.forward[p][s] + prices.backward[p][s]
+                            for s, p in zip(stages, combo, strict=True))
+            key = (added, peak) if cheapest else (peak, added)
+            if best is None or key < best[:2]:
+                best = (*key, combo)
+            if limit is None and cheapest:
+                break  # "none" first: nothing to save
+        if best is None:
+            return None
+        for s, p in zip(stages, best[2], strict=True):
+            policies[s] = p
+        peaks_.append(best[1] if cheapest else best[0])
+    return ActivationChoice(tuple(policies), tuple(peaks_))
+
+
+def planned_activations(plan: Plan, prices: PolicyPrices | None, schedule: Schedule,
+                        memory_limit: float | None, optimizer_factor: float) -> Plan:
+    """`plan` with the policy per stage that ``checkpoint_activations="auto"`` runs (see
+    `choose`; `prices` of its stages) and the ranks' predicted peaks; a ValueError naming
+    the least each rank needs and the limit when no choice fits."""
+    if prices is None:
+        raise RuntimeError("the units were not priced (partitioner.activation_cost)")
+    fixed = [0.0] * schedule.num_ranks
+    for stage, rank in enumerate(schedule.placement):
+        fixed[rank] += plan.stage_params[stage] * optimizer_factor
+    choice = choose(schedule, prices, fixed, memory_limit)
+    if choice is None:
+        lowest = choose(schedule, prices, fixed, None, cheapest=False)
+        need = [f + p for f, p in zip(fixed, lowest.peaks, strict=True)] if lowest else []
+        raise ValueError(
+            f'checkpoint_activations="auto": no policy per stage keeps every rank under '
+            f"memory_limit={memory_limit:.4g} bytes (the least each rank needs, parameters x "
+            f"{optimizer_factor:g} included: {[f'{b:.4g}' for b in need]}); raise "
+            "memory_limit, add stages or microbatches"
+        )
+    return replace(plan, activations=list(choice.policies),
+                   activation_peaks=list(choice.peaks))
