@@ -340,7 +340,10 @@ class Pipeline:
         plain optimizer instead is an error at its first step where it would be silently
         wrong ("full", built before the plan) and a warning where it would keep the whole
         state ("optimizer"). Checkpoints take it and load across modes and layouts."""
-        return self._executor.make_optimizer(list(self.parameters()), optimizer_class, **kwargs)
+        made = self._executor.make_optimizer(list(self.parameters()), optimizer_class, **kwargs)
+        if self._measured.replan is not None:  # a re-balance carries its state
+            self._measured.replan.optimizers.offer(made)
+        return made
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

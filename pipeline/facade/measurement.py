@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 
+from pipeline.facade.replan import DistributedReplan
 from pipeline.facade.setup import Setup
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
@@ -42,6 +43,13 @@ class MeasuredSteps:
         self.steps = 0
         self.rebalanced: Rebalance | None = None
         self.resynthesized: Resynthesis | None = None
+        ctx = setup.executor.context
+        self.replan = None if ctx is None else DistributedReplan(ctx, self._owned)
+        if self.replan is not None and auto_rebalance:
+            setup.planner.profile_units = True  # rank 0 profiles before the model is split
+
+    def _owned(self) -> set[int]:
+        return {id(p) for m in self.setup.executor.held().values() for p in m.parameters()}
 
     def record(self, trace: Timeline) -> None:
         """Keep a complete step trace for calibration (not the first, warm-up step's), and
@@ -53,7 +61,10 @@ class MeasuredSteps:
         complete = len(trace.events) == ops * schedule.num_stages * schedule.num_microbatches
         if self.steps > 1 and complete:
             self.measured.append(trace)
-        if self.auto_rebalance and self.rebalanced is None and len(self.measured) >= 2:
+        if self.steps > 1 and self.replan is not None:
+            self.replan.record(trace, set(self.setup.executor.held()), schedule.num_stages)
+        ready = len(self.measured if self.replan is None else self.replan.stage_times) >= 2
+        if self.auto_rebalance and self.rebalanced is None and ready:
             self.rebalance()
         if (self.setup.planner.auto_schedule and self.resynthesized is None
                 and len(self.measured) >= 2
@@ -121,8 +132,12 @@ class MeasuredSteps:
         """Run `new` from the next step on; the old traces describe the old plan."""
         self.setup.adopt(new)
         self.measured.clear()
+        if self.replan is not None:
+            self.replan.stage_times.clear()
 
     def rebalance(self, threshold: float = 0.05) -> Rebalance:
+        if self.replan is not None:
+            return self._rebalance_distributed(self.replan, threshold)
         calibration = self._measured_in_one_process(
             "rebalance",
             "each process holds only its stages' weights; pass balance=[...] with the sizes "
@@ -136,6 +151,33 @@ class MeasuredSteps:
         )
         if report.applied:
             self._adopt(planned.repartitioned(plan))
+        self.rebalanced = report
+        log.info("hybridpipe: %s", report)
+        return report
+
+    def _rebalance_distributed(self, replan: DistributedReplan, threshold: float) -> Rebalance:
+        """Every process calls it at the same step (pipeline.facade.replan)."""
+        setup = self.setup
+        planned = setup.require_plan()
+        planner = setup.planner
+        if not (planner.balance == "profile" or planner.auto or planner.auto_activations
+                or planner.profile_units):
+            raise ValueError(
+                "rebalance under torch.distributed needs the units' profiled costs, which "
+                f"global rank 0 takes before the model is split; balance={planner.balance!r} "
+                "skips them: build the Pipeline with rebalance=True or balance='profile'"
+            )
+        if setup.executor.shard is not None:
+            raise ValueError(
+                f"rebalance under torch.distributed with shard={setup.executor.shard!r} is not "
+                "supported yet; re-balance without sharding or pass the sizes it reports as "
+                "balance=[...]"
+            )
+        if len(replan.stage_times) < 2:
+            raise ValueError("rebalance needs measured steps: run at least three steps first")
+        report = replan.decide(planned, self.calibration, threshold)
+        if report.applied:
+            replan.move(planned, report.after, self._adopt)
         self.rebalanced = report
         log.info("hybridpipe: %s", report)
         return report

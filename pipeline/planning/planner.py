@@ -161,6 +161,9 @@ class Planner:
         self.auto_activations = auto_activations
         self.virtual_stages = virtual_stages if isinstance(virtual_stages, int) else None
         self.balance = balance
+        # The leader profiles the units even when balance is not "profile" (a distributed
+        # re-balance needs their costs once the model is split).
+        self.profile_units = False
         self.leaf_modules = leaf_modules
         self.schedule_spec = schedule
         given = microbatches if isinstance(microbatches, int) else None
@@ -279,7 +282,7 @@ class Planner:
         """(The leader) the partition, and the stage costs while it holds the whole model;
         with checkpoint_activations="auto", the policy per stage in the plan."""
         costed = self.balance == "profile" or self.auto_activations
-        if costed and not profiled:
+        if (costed or self.profile_units) and not profiled:
             with how.phase("profiling of the model"):
                 measure(captured, self.model, example, how.device)
                 if self.auto_activations:

@@ -1,0 +1,169 @@
+"""Re-balancing a Pipeline under torch.distributed while it trains: every process's measured
+time of its own stages is gathered (an all-reduce: the slowest replica of each stage counts),
+global rank 0 re-partitions for the ranks' measured speeds
+(pipeline.planning.rank_speeds) and broadcasts its decision (a tensor: applied, the two
+predicted steps, the stage sizes); every process then makes the same plan from those sizes
+and, if it was adopted, moves the units whose pipeline rank changed with their gradients and
+optimizer state (pipeline.execution.distributed.moves) before the executor is rebuilt.
+
+The optimizers whose state moves are those made by ``pipe.optimizer(...)`` and any optimizer
+over this process's parameters that has stepped once (seen by a global optimizer step
+pre-hook)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from partitioner import partition
+from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.moves import UnitMove, holders, plan_moves, total_bytes
+from pipeline.planning.calibration import Calibration, Rebalance
+from pipeline.planning.costs import stage_costs
+from pipeline.planning.decision import Decision
+from pipeline.planning.rank_speeds import propose_for_ranks
+from scheduler import Op, Timeline
+
+log = logging.getLogger("hybridpipe")
+OPS = (Op.F, Op.B, Op.W)
+
+
+def own_stage_means(trace: Timeline, held: set[int], stages: int) -> list[list[float]]:
+    """[op][stage] mean measured seconds of the stages in `held` (0 elsewhere)."""
+    sums = [[0.0] * stages for _ in OPS]
+    counts = [[0] * stages for _ in OPS]
+    for e in trace.events:
+        if e.stage in held:
+            sums[OPS.index(e.op)][e.stage] += e.duration
+            counts[OPS.index(e.op)][e.stage] += 1
+    return [[s / c if c else 0.0 for s, c in zip(row, crow, strict=True)]
+            for row, crow in zip(sums, counts, strict=True)]
+
+
+class Optimizers:
+    """The optimizers over this process's parameters, in the order they became known."""
+
+    _trackers: weakref.WeakSet[Optimizers] = weakref.WeakSet()
+    _hooked = False
+
+    def __init__(self, owned: Callable[[], set[int]]) -> None:
+        self.owned = owned  # ids of this process's parameters
+        self.known: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        Optimizers._trackers.add(self)
+        if not Optimizers._hooked:  # one global hook for every distributed Pipeline
+            register_optimizer_step_pre_hook(Optimizers._on_step)
+            Optimizers._hooked = True
+
+    @staticmethod
+    def _on_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for tracker in list(Optimizers._trackers):
+            tracker.offer(opt)
+
+    def offer(self, opt: torch.optim.Optimizer) -> None:
+        """Know `opt` if it optimizes this process's parameters (checked once per optimizer)."""
+        if opt in self._seen:
+            return
+        self._seen.add(opt)
+        owned = self.owned()
+        if any(id(p) in owned for g in opt.param_groups for p in g["params"]):
+            self.known.append(weakref.ref(opt))
+
+    def alive(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (r() for r in self.known) if o is not None]
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """The last adopted re-balance's move on this process: seconds (decision to rebuilt
+    executor) and bytes received (weights, grads, optimizer state)."""
+
+    seconds: float
+    bytes_received: int
+    tensors_moved: int
+
+
+class DistributedReplan:
+    """The distributed re-balance of one Pipeline (`ctx`: its processes)."""
+
+    def __init__(self, ctx: DistContext, owned: Callable[[], set[int]]) -> None:
+        self.ctx = ctx
+        self.optimizers = Optimizers(owned)
+        self.stage_times: list[list[list[float]]] = []  # per measured step: [op][stage]
+        self.last_move: MoveReport | None = None
+
+    def record(self, trace: Timeline, held: set[int], stages: int) -> None:
+        self.stage_times = [*self.stage_times[-3:], own_stage_means(trace, held, stages)]
+
+    def gathered_times(self) -> list[list[float]]:
+        """[op][stage] median over the recorded steps, the maximum over the replicas."""
+        stages = len(self.stage_times[0][0])
+        local = torch.tensor([[statistics.median(step[o][s] for step in self.stage_times)
+                               for s in range(stages)] for o in range(len(OPS))],
+                             dtype=torch.float64, device=self.ctx.device)
+        with self.ctx.guard("gathering of the measured stage times"):
+            work = dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True)
+            self.ctx.wait_work(work, None, "the measured stage times")
+        return local.cpu().tolist()
+
+    def decide(
+        self, planned: Decision, calibration: Calibration | None, threshold: float
+    ) -> Rebalance:
+        """Global rank 0's proposal from the gathered times, the same on every process."""
+        times = self.gathered_times()
+        n = planned.schedule.num_stages
+        decision = torch.zeros(3 + n, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.layout.rank == 0:
+            base = calibration if calibration is not None else Calibration(
+                [], [], [], 0.0, 0.0, 1, planned.schedule.splits_backward)
+            measured = replace(base, forward=times[0], backward=times[1], weight=times[2],
+                               per_step=())
+            profiled = planned.costs or stage_costs(planned.captured, planned.plan)
+            report, plan = propose_for_ranks(planned.captured, planned.plan, planned.schedule,
+                                             measured, profiled, threshold)
+            decision = torch.tensor([float(report.applied), report.predicted_before,
+                                     report.predicted_after, *plan.sizes],
+                                    dtype=torch.float64, device=self.ctx.device)
+        with self.ctx.guard("agreement on the re-balanced plan"):
+            work = dist.broadcast(decision, src=0, async_op=True)
+            self.ctx.wait_work(work, None, "the re-balanced plan")
+        values = decision.cpu().tolist()
+        return Rebalance(
+            before=planned.plan.sizes, after=[int(v) for v in values[3:]],
+            predicted_before=values[1], predicted_after=values[2], threshold=threshold,
+            applied=bool(values[0]),
+        )
+
+    def move(self, planned: Decision, sizes: list[int],
+             adopt: Callable[[Decision], None]) -> Decision:
+        """Make the plan of `sizes` (the same on every process), move the units, `adopt` it
+        (the executor is rebuilt for it)."""
+        start = time.perf_counter()
+        captured, schedule = planned.captured, planned.schedule
+        plan = partition(captured, schedule.num_stages, sizes)
+        new = planned.repartitioned(plan)
+        if captured.profiled:  # rank 0's
+            new = replace(new, costs=stage_costs(captured, plan))
+        moves = plan_moves(holders(planned.model, planned.modules, schedule.placement),
+                           holders(new.model, new.modules, schedule.placement),
+                           self.ctx.layout.pp_rank)
+        mover = UnitMove(self.ctx, planned.model, moves, self.optimizers.alive())
+        with self.ctx.guard("move of the re-balanced units"):
+            staged = mover.receive()
+            mover.agree_received()
+        mover.commit(staged)  # every process has what it needs: no failure leaves a mix
+        adopt(new)
+        self.last_move = MoveReport(time.perf_counter() - start, total_bytes(staged.values()),
+                                    moves.moved)
+        log.info("hybridpipe: moved %d tensors in %.3f s (%d bytes received here)",
+                 moves.moved, self.last_move.seconds, self.last_move.bytes_received)
+        return new

@@ -1,0 +1,170 @@
+"""Re-balancing a running distributed job (pipeline.facade.replan): one pipeline rank is made
+slower on purpose (it sleeps in every nn.Linear call, in the worker only), the job re-plans
+from what the ranks measured, moves the units whose rank changed with their gradients and
+Adam state, and keeps training exactly as the unsplit model does (float64: every loss and,
+at the end, every weight). A rank that fails during the move ends every process with an error
+naming it, each still on the old plan.
+
+This file is also the worker: ``python <this file> WORKER OUT_DIR`` (run by `launch`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.distributed import ATOL, all_ok, init_worker, launch
+from tests.support.models import global_batch, lm_loss, make_model
+
+# ---------------------------------------------------------------------------------------------
+# Workers (run in the launched processes)
+# ---------------------------------------------------------------------------------------------
+
+SLEEP = 0.002  # seconds per nn.Linear call on the slow rank: it runs at a fraction of the speed
+
+
+def _tied_model() -> nn.Module:
+    model = make_model()
+    model.head.weight = model.tok.weight  # type: ignore[union-attr]  # tied across the ends
+    return model
+
+
+def _slow_down(model: nn.Module, slow: bool) -> None:
+    """Sleep in every nn.Linear call of this process when it is the slow one."""
+    if not slow:
+        return
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda *_: time.sleep(SLEEP))
+
+
+def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6) -> tuple[Any, list[int]]:
+    """Adam on the pipeline and the unsplit model; losses compared at every step, weights at
+    the end; the last pipeline rank is the slow one. `auto`: rebalance=True from a plan
+    balanced by parameters, else pipe.rebalance() after the third step of a profiled plan
+    (which the slow rank makes wrong). Returns the Pipeline and its first
+    plan's sizes."""
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+    from pipeline.checkpoint import gather_named
+
+    ref = _tied_model()
+    model = _tied_model()
+    _slow_down(model, dist.get_rank() == pp - 1)
+    pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=4, loss_fn=lm_loss,
+                    balance="parameters" if auto else "profile", capture_method="fx",
+                    rebalance=auto)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    first: list[int] = []
+    for step in range(steps):
+        x, y = global_batch(step, 8)
+        ref_opt.zero_grad()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        loss = pipe.step(x, y)
+        first = first or pipe.plan.sizes
+        if step == 2 and not auto:
+            pipe.rebalance()
+        opt.step()
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=ATOL, rtol=0,
+                                   msg=f"{schedule} pp={pp}: loss of step {step}")
+    weights = gather_named({k: p.detach() for k, p in pipe.named_parameters()}, pipe.distributed)
+    if weights is not None:
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(weights[k], p.detach(), atol=ATOL, rtol=0,
+                                       msg=f"{schedule} pp={pp}: weight {k}")
+    report = pipe.rebalanced
+    print(f"rank {dist.get_rank()}: {report}", flush=True)
+    assert report is not None and report.applied, report
+    assert report.before == first and report.after == pipe.plan.sizes, (report, pipe.plan)
+    assert report.after[-1] < report.before[-1], f"the slow rank kept its work: {report}"
+    return pipe, first
+
+
+def worker_adam_1f1b(out: Path) -> None:
+    """pp=2, 1F1B, rebalance=True: re-balanced after the third step's backward (its grads
+    and the Adam state move), then trained on."""
+    init_worker()
+    _run(2, "1f1b", auto=True)
+    print("worker adam_1f1b: every check ran", flush=True)
+
+
+def worker_zb_pp4(out: Path) -> None:
+    """pp=4, zb-h1 (split backward), pipe.rebalance() between two steps."""
+    init_worker()
+    _run(4, "zb-h1", auto=False)
+    print("worker zb_pp4: every check ran", flush=True)
+
+
+def worker_fail_move(out: Path) -> None:
+    """Pipeline rank 1 raises while the units move: every process raises (rank 0 a
+    RankFailure naming rank 1) and keeps the old plan."""
+    import torch.distributed as dist
+
+    from pipeline import Pipeline
+    from pipeline.execution.distributed import RankFailure, moves
+
+    init_worker()
+    rank = dist.get_rank()
+    model = _tied_model()
+    _slow_down(model, rank == 1)
+    pipe = Pipeline(model, stages=2, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
+                    balance="parameters", capture_method="fx", rebalance=True)
+    if rank == 1:
+        def broken(self: Any) -> Any:
+            raise RuntimeError("injected failure in the move")
+        moves.UnitMove.receive = broken  # type: ignore[method-assign]
+    sizes: list[int] = []
+    try:
+        for step in range(4):
+            x, y = global_batch(step, 8)
+            pipe.step(x, y)
+            sizes = sizes or pipe.plan.sizes
+    except RankFailure as err:
+        assert rank == 0 and "rank 1" in str(err), err
+    except RuntimeError as err:
+        assert rank == 1 and "injected" in str(err), err
+    else:
+        raise AssertionError("the move's failure was not raised")
+    assert pipe.plan.sizes == sizes and pipe.rebalanced is None, (pipe.plan.sizes, sizes)
+    print("worker fail_move: every check ran", flush=True)
+
+
+WORKERS: dict[str, Callable[[Path], None]] = {
+    "adam_1f1b": worker_adam_1f1b,
+    "zb_pp4": worker_zb_pp4,
+    "fail_move": worker_fail_move,
+}
+
+# ---------------------------------------------------------------------------------------------
+# Tests (run in pytest)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("worker", "world"), [("adam_1f1b", 2), ("zb_pp4", 4)])
+def test_rebalance_moves_units_and_trains_exactly(tmp_path: Path, worker: str,
+                                                  world: int) -> None:
+    all_ok(launch(worker, world, tmp_path, script=__file__, deadline=240), worker)
+
+
+@pytest.mark.slow
+def test_failure_during_the_move_keeps_the_old_plan(tmp_path: Path) -> None:
+    ended = launch("fail_move", 2, tmp_path, script=__file__, timeout=20)
+    all_ok(ended, "fail_move")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    WORKERS[sys.argv[1]](Path(sys.argv[2]))
