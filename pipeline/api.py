@@ -20,7 +20,6 @@ from torch.utils.data import Dataset, Sampler
 
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
-from pipeline.elastic.layout import choose_layout
 from pipeline.execution.compiled import compile_options
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
@@ -39,7 +38,7 @@ from pipeline.facade.running import (
     run_step,
 )
 from pipeline.facade.settings import check_settings, executor_for
-from pipeline.facade.setup import Setup
+from pipeline.facade.setup import Setup, auto_layout
 from pipeline.facade.state import ModelState
 from pipeline.planning.activation_policies import Selective, check_policies
 from pipeline.planning.autoplan import AutoPlan
@@ -132,14 +131,18 @@ class Pipeline:
         self.module = model
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
         self._layouts: AutoPlan | None = None
-        if stages == "auto":
-            auto = choose_layout(
+        layout = agreement = None
+        if stages == "auto":  # planning's first step: the layout for the world
+            layout, agreement = auto_layout(
                 model, example_input, schedule=schedule, microbatches=microbatches,
                 virtual_stages=virtual_stages, data_parallel=data_parallel,
                 memory_limit=memory_limit, leaf_modules=leaf_modules,
-                capture_method=capture_method, timeout=resolve_timeout(timeout))
-            self._layouts, example_input = auto.plan, auto.example
-            stages, data_parallel, schedule, microbatches, virtual_stages = auto.settings
+                capture_method=capture_method, dynamic_dims=dynamic_dims,
+                timeout=resolve_timeout(timeout))
+            self._layouts, example_input = layout.ranking, layout.example
+            stages, data_parallel = layout.stages, layout.data_parallel
+            schedule, microbatches = layout.schedule, layout.microbatches
+            virtual_stages = layout.virtual_stages
         self.stages = check_settings(
             stages, microbatches, virtual_stages, memory_limit, data_parallel
         )
@@ -147,7 +150,8 @@ class Pipeline:
         self.grad_accumulation = check_grad_accumulation(grad_accumulation)
         self.checkpoint_activations = check_policies(checkpoint_activations, memory_limit)
         self.timeout = resolve_timeout(timeout)
-        self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard)
+        self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard,
+                                      agreement)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
@@ -160,6 +164,7 @@ class Pipeline:
             leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
             loss_fn=loss_fn, dynamic_dims=dynamic_dims,
             auto_activations=self.checkpoint_activations == "auto",
+            surveyed=layout.surveyed if layout is not None else None,
         )
         self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
         self._metrics = Metrics()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.execution.distributed import DistributedExecutor
+from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.shard import check_shard
 from pipeline.execution.executor import Executor
 from pipeline.execution.local import LocalExecutor, resolve_devices
@@ -55,9 +56,11 @@ def executor_for(
     data_parallel: int | None,
     timeout: float,
     shard: object = None,
+    agreement: Agreement | None = None,
 ) -> Executor:
     """The distributed executor inside torchrun (torch.distributed initialised), else the
-    local one (without `shard`: sharding needs data-parallel replicas)."""
+    local one (without `shard`: sharding needs data-parallel replicas). `agreement`: the
+    distributed Pipeline's setup agreement when its layout was chosen with it already."""
     shard = check_shard(shard)
     if shard is not None and not dist.is_initialized():
         raise ValueError(
@@ -71,5 +74,6 @@ def executor_for(
                 f"devices={devices!r} cannot be used under torch.distributed: each process "
                 "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
             )
-        return DistributedExecutor(stages, data_parallel, timeout=timeout, shard=shard)
+        return DistributedExecutor(stages, data_parallel, timeout=timeout, shard=shard,
+                                   agreement=agreement)
     return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)

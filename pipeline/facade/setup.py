@@ -1,7 +1,8 @@
-"""A Pipeline's planning phase and its batches: the planner (built once every process agrees on
-the settings; it plans nothing yet), the decision made from the first batch (`plan`, loaded
-into the executor), and every batch as the flat inputs stage 0 takes, split once into the
-decision's microbatches and checked against the captured graph (`inputs`)."""
+"""A Pipeline's planning phase and its batches: the layout for the world when stages="auto"
+(`auto_layout`), the planner (built once every process agrees on the settings; it plans
+nothing yet), the decision made from the first batch (`plan`, loaded into the executor), and
+every batch as the flat inputs stage 0 takes, split once into the decision's microbatches and
+checked against the captured graph (`inputs`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from partitioner.capture import call_structure, check_inputs, check_mode
 from partitioner.exported import flat_inputs
+from pipeline.execution.distributed.agreement import Agreement
+from pipeline.execution.distributed.context import job_agreement, process_device
 from pipeline.execution.executor import Executor
 from pipeline.execution.program import LossFn
 from pipeline.planning.costs import StageCosts
-from pipeline.planning.decision import Decision
+from pipeline.planning.decision import Coordination, Decision, Surveyed
+from pipeline.planning.layout import LayoutChoice, check_layout_settings, choose_layout
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size, tensor_leaves
 from pipeline.planning.planner import Planner
 from pipeline.planning.settings import pipeline_settings
@@ -48,6 +52,7 @@ class Setup:
         leaf_modules: tuple[type, ...] | None, memory_limit: float | None, capture_method: str,
         loss_fn: LossFn | None, dynamic_dims: Sequence[int] = (),
         auto_activations: bool = False,
+        surveyed: Surveyed | None = None,
     ) -> Setup:
         """The planner for these settings, once every process is checked to have built the
         same Pipeline (under torch.distributed; pipeline.planning.settings). Plans nothing:
@@ -58,6 +63,7 @@ class Setup:
                 virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
                 memory_limit=memory_limit, capture_method=capture_method,
                 dynamic_dims=dynamic_dims, auto_activations=auto_activations,
+                surveyed=surveyed,
             )
         ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(
@@ -183,3 +189,24 @@ class Setup:
         if len(self._checked) >= 64:
             self._checked.clear()
         self._checked.add(shapes)
+
+
+def auto_layout(
+    model: nn.Module, example_input: Batch | None, *, timeout: float, schedule: object,
+    microbatches: object, virtual_stages: object, data_parallel: object,
+    memory_limit: float | None, leaf_modules: tuple[type, ...] | None, capture_method: str,
+    dynamic_dims: Sequence[int],
+) -> tuple[LayoutChoice, Agreement]:
+    """stages="auto" (pipeline.planning.layout): the layout chosen on this process's device
+    through the Pipeline's setup agreement, made here (the distributed executor takes it)."""
+    check_layout_settings(example_input, schedule=schedule, microbatches=microbatches,
+                          data_parallel=data_parallel)
+    agreement = job_agreement(timeout)
+    how = Coordination(leads=agreement.rank == 0, agree=agreement.sync, device=process_device(),
+                       keeps_whole_model=False, phase=agreement.phase)
+    choice = choose_layout(
+        model, example_input, how, world_size=agreement.world_size, rank=agreement.rank,
+        schedule=str(schedule), virtual_stages=virtual_stages, memory_limit=memory_limit,
+        leaf_modules=leaf_modules, capture_method=capture_method, dynamic_dims=dynamic_dims,
+    )
+    return choice, agreement

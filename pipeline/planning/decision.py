@@ -148,3 +148,15 @@ def with_activations_of(plan: Plan, earlier: Plan) -> Plan:
         return plan
     return dataclasses.replace(plan, activations=earlier.activations,
                                activation_peaks=earlier.activation_peaks)
+
+
+@dataclass(frozen=True)
+class Surveyed:
+    """A capture profiled on one example microbatch before the layout was known
+    (stages="auto"): what it was captured on, and the example (flat inputs) it was profiled
+    on. The planner reuses it when its own first microbatch has the same structure and
+    shapes."""
+
+    captured: Captured
+    inputs: CaptureInputs
+    example: tuple[Any, ...]

@@ -39,6 +39,7 @@ from pipeline.planning.decision import (
     FirstBatch,
     Pairs,
     Partition,
+    Surveyed,
     with_activations_of,
 )
 from pipeline.planning.microbatch import Microbatches, batch_size
@@ -117,6 +118,11 @@ def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any,
     return example
 
 
+def _shapes(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                 for v in values)
+
+
 def _first_microbatch(args: tuple[Any, ...], count: int) -> tuple[Any, ...]:
     return tuple(Microbatches.split(args, count, "inputs").parts[0])
 
@@ -126,7 +132,8 @@ class Planner:
     """Plans a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks (stages) per rank,
     `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the first batch),
     `balance` as in `partitioner.partition`. It holds these settings only; each plan is a
-    `Decision`.
+    `Decision`. `surveyed`: the capture stages="auto" profiled (pipeline.planning.layout),
+    reused when the first microbatch has its shapes.
 
     "auto" for the schedule, the microbatches or the virtual stages lets
     `pipeline.planning.autoplan` choose them by simulation on the first batch (profiled on a
@@ -147,8 +154,10 @@ class Planner:
         capture_method: str = "auto",
         dynamic_dims: Sequence[int] = (),
         auto_activations: bool = False,
+        surveyed: Surveyed | None = None,
     ) -> None:
         self.model = model
+        self.surveyed = surveyed  # a capture profiled already, reused where it fits
         self.capture_method = capture_method
         self.dynamic_dims = check_dims(dynamic_dims)
         self.ranks = ranks
@@ -250,7 +259,8 @@ class Planner:
         m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
         example = _first_microbatch(args, m)
         if not self.auto:
-            return FirstBatch(m, _capture_rows(args, example), example, call_spec, None), None
+            first = FirstBatch(m, _capture_rows(args, example), example, call_spec, None)
+            return first, self._reusable(first)
         with how.phase("auto-planning (capture and profiling of the model)"):
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
             measure(captured, self.model, example, how.device)
@@ -261,6 +271,30 @@ class Planner:
         if profiled is None:
             m, example = auto.microbatches, _first_microbatch(args, auto.microbatches)
         return FirstBatch(m, _capture_rows(args, example), example, call_spec, auto), profiled
+
+    def survey(self, args: tuple[Any, ...], call_spec: TreeSpec, how: Coordination) -> Surveyed:
+        """(The leader) the model captured and profiled on the first microbatch of
+        ``min(2 x ranks, batch)`` rows of `args` (as `plan` would), before the layout is
+        chosen."""
+        if on_meta(self.model):
+            args = _as_meta(args)
+        example = _first_microbatch(args, min(2 * self.ranks, batch_size(args, "inputs")))
+        inputs = CaptureInputs(call_spec, _capture_rows(args, example))
+        captured = self._capture(inputs)
+        measure(captured, self.model, example, how.device)
+        return Surveyed(captured, inputs, example)
+
+    def _reusable(self, first: FirstBatch) -> Captured | None:
+        """The surveyed capture, profiled, when it was made on inputs of the first batch's
+        structure and shapes (else None: capture and profile anew)."""
+        surveyed = self.surveyed
+        if surveyed is None or surveyed.inputs.call_spec != first.call_spec:
+            return None
+        if (_shapes(surveyed.inputs.rows), _shapes(surveyed.example)) != (
+                _shapes(first.rows), _shapes(first.example)):
+            return None
+        log.info("hybridpipe: planning reuses the capture and profile of the layout choice")
+        return surveyed.captured
 
     def _schedule_for(self, first: FirstBatch) -> Schedule:
         """The schedule for the agreed first batch: the auto-planner's, the one known already,

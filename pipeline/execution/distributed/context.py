@@ -33,6 +33,23 @@ def _collect_while_whole() -> None:
     gc.collect()
 
 
+def job_agreement(timeout: float) -> Agreement:
+    """The setup agreement of a new Pipeline of this job (the process group initialised first
+    if it is not), over the job's c10d store."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    store = dist.distributed_c10d._get_default_store()
+    return Agreement(store, dist.get_rank(), dist.get_world_size(), timeout)
+
+
+def process_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 class DistContext:
     """The process groups of this job as seen by this process.
 
@@ -50,24 +67,18 @@ class DistContext:
         *,
         timeout: float | None = None,
         device: torch.device | str | None = None,
+        agreement: Agreement | None = None,
     ) -> None:
         self.timeout = resolve_timeout(timeout)
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout))
-        store = dist.distributed_c10d._get_default_store()
-        self.agreement = Agreement(store, dist.get_rank(), dist.get_world_size(), self.timeout)
+        # The Pipeline's agreement, made already when it chose its layout (stages="auto").
+        self.agreement = agreement if agreement is not None else job_agreement(self.timeout)
+        store = self.agreement.store
         with self.agreement.phase("construction of Pipeline(...)"):
             self.layout = make_layout(
                 stages, data_parallel, world_size=dist.get_world_size(), rank=dist.get_rank()
             )
         self.agreement.describe = self.layout.describe
-        if device is None:
-            if dist.get_backend() == "nccl":
-                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            else:
-                device = torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else process_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and object collectives use the current one
         self.failures = Failures(store, self.layout, self.timeout, self.agreement.fail)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
+from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.dtensors import local
 from pipeline.execution.distributed.gradsync import (
@@ -74,9 +75,10 @@ class DistributedExecutor(Executor):
         bucket_bytes: int | None = None,
         prefetch: int = 2,
         shard: str | None = None,
+        agreement: Agreement | None = None,
     ) -> None:
         super().__init__()
-        ctx = DistContext(stages, data_parallel, timeout=timeout)
+        ctx = DistContext(stages, data_parallel, timeout=timeout, agreement=agreement)
         self.context: DistContext = ctx
         self.sharding = Sharding(shard, ctx)
         self.shard = self.sharding.shard

@@ -139,11 +139,11 @@ def test_autoplan_synthesis_beats_its_generators_and_stops_at_the_cap() -> None:
 
 
 def test_auto_stages_build_with_the_synthesised_schedule_itself() -> None:
-    """stages="auto" (pipeline.elastic) hands the Pipeline the chosen candidate's settings:
+    """stages="auto" (pipeline.planning.layout) hands the Pipeline the chosen candidate's settings:
     a synthesised one's Schedule (it has no generator name), which the planner adopts with
     the candidate's microbatches and chunks."""
-    from pipeline.elastic.layout import AutoLayout
     from pipeline.planning.autoplan import AutoPlan, Candidate
+    from pipeline.planning.layout import LayoutChoice
 
     schedule = head_heavy(2, 4)
     best = Candidate(pp=2, dp=1, schedule="synth", microbatches=4, virtual_stages=1,
@@ -151,9 +151,11 @@ def test_auto_stages_build_with_the_synthesised_schedule_itself() -> None:
                      peak_memory=(1.0, 1.0), built=schedule)
     plan = AutoPlan(world_size=2, batch_size=8, memory_limit=None, candidates=[best],
                     simulated=1, over_memory=0, pruned=0, seconds=0.0)
-    stages, dp, chosen, m, v = AutoLayout(plan, uneven_batch(0)[0]).settings
-    assert (stages, dp, chosen, m, v) == (2, 1, schedule, 4, 1)
-    pipe = Pipeline(uneven_gpt(), stages, schedule=chosen, microbatches=m, virtual_stages=v,
+    layout = LayoutChoice.of(plan, uneven_batch(0)[0], rank=0)
+    assert (layout.stages, layout.data_parallel, layout.schedule, layout.microbatches,
+            layout.virtual_stages) == (2, 1, schedule, 4, 1)
+    pipe = Pipeline(uneven_gpt(), layout.stages, schedule=layout.schedule,
+                    microbatches=layout.microbatches, virtual_stages=layout.virtual_stages,
                     loss_fn=lm_loss, balance="parameters", capture_method="fx")
     check_step(pipe, uneven_gpt(), 0)
     assert pipe.schedule.to_text() == schedule.to_text()

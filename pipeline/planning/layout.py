@@ -1,0 +1,133 @@
+"""``Pipeline(model, stages="auto")``: the first step of planning chooses (stages,
+data_parallel, schedule, microbatches, virtual stages) for the world size torchrun gives this
+run, by the auto-planner's ranking (pipeline.planning.autoplan.search: every divisor of the
+world as the pipeline depth, the fastest predicted step under ``memory_limit`` bytes per
+device). So a job restarted with fewer processes re-plans for them.
+
+The example input is the global batch: each of the ``data_parallel`` replicas takes its share
+(`replica_share`), so the global batch stays the same whatever the layout, and a replica runs
+more microbatches when there are fewer replicas. Global rank 0 captures and profiles the model
+with the planner (`Planner.survey`, on the device the executor will run on) and decides; the
+others follow through the Pipeline's setup agreement (a `Coordination`: bounded by the
+timeout, a failure on rank 0 named on every process). The planner later reuses that capture
+and profile when its first microbatch has the same shapes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from partitioner.capture import call_structure
+from pipeline.planning.autoplan import AutoPlan, search
+from pipeline.planning.decision import Coordination, Surveyed
+from pipeline.planning.microbatch import Batch, Microbatches, batch_size
+from pipeline.planning.planner import AUTO, Planner
+from scheduler import SCHEDULES, Schedule
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout chosen for the world: the settings to build the Pipeline with (the schedule
+    itself when it was synthesised, else its name), the ranked candidates, this process's
+    replica's share of the example batch, and the surveyed capture (global rank 0's; None
+    elsewhere)."""
+
+    stages: int
+    data_parallel: int
+    schedule: str | Schedule
+    microbatches: int
+    virtual_stages: int
+    ranking: AutoPlan
+    example: Batch
+    surveyed: Surveyed | None
+
+    @classmethod
+    def of(cls, ranking: AutoPlan, global_batch: Batch, rank: int,
+           surveyed: Surveyed | None = None) -> LayoutChoice:
+        """The ranking's best layout, for global rank `rank` of the job."""
+        best = ranking.best
+        dp_rank = rank // best.pp  # the (dp, pp) mesh is row-major: a replica is a row
+        return cls(
+            stages=best.pp, data_parallel=best.dp,
+            schedule=best.built if best.built is not None else best.schedule,
+            microbatches=best.microbatches, virtual_stages=best.virtual_stages,
+            ranking=ranking, example=replica_share(global_batch, best.dp, dp_rank),
+            surveyed=surveyed,
+        )
+
+
+def replica_share(batch: Batch, data_parallel: int, dp_rank: int) -> Batch:
+    """Replica `dp_rank`'s rows of a global `batch` (contiguous equal shares along dim 0), so
+    the mean loss over replicas is the global batch's mean. ValueError if it does not divide."""
+    size = batch_size(batch, "inputs")
+    if size % data_parallel:
+        raise ValueError(
+            f"a global batch of {size} rows does not split into {data_parallel} equal replica "
+            f"shares; use a global batch that is a multiple of {data_parallel}"
+        )
+    return Microbatches.split(batch, data_parallel, "inputs").parts[dp_rank]
+
+
+def check_layout_settings(
+    example_input: Batch | None, *, schedule: object, microbatches: object,
+    data_parallel: object,
+) -> None:
+    """The settings that go with ``stages="auto"``: ValueError naming the fix."""
+    if not dist.is_initialized():
+        raise ValueError(
+            'stages="auto" chooses (stages, data_parallel) for the world size under torchrun; '
+            "in one process give stages=N"
+        )
+    if example_input is None:
+        raise ValueError(
+            'stages="auto" plans at construction: pass example_input= (the global batch, '
+            "which the replicas share)"
+        )
+    if data_parallel is not None or microbatches not in (None, AUTO):
+        raise ValueError(
+            f'stages="auto" chooses data_parallel and microbatches; drop data_parallel='
+            f"{data_parallel!r} and microbatches={microbatches!r}"
+        )
+    if isinstance(schedule, Schedule) or (
+        isinstance(schedule, (str, os.PathLike)) and schedule not in (*SCHEDULES, AUTO)
+    ):
+        raise ValueError(
+            f'stages="auto" needs a schedule name or "auto", not {schedule!r} (a custom '
+            "schedule fixes the stage count)"
+        )
+
+
+def choose_layout(
+    model: nn.Module, example_input: Batch, how: Coordination, *, world_size: int, rank: int,
+    schedule: str, virtual_stages: object, memory_limit: float | None,
+    leaf_modules: tuple[type, ...] | None, capture_method: str, dynamic_dims: Sequence[int] = (),
+) -> LayoutChoice:
+    """The layout for ``stages="auto"`` (see the module docstring), the settings checked by
+    `check_layout_settings` first."""
+    fixed_v = virtual_stages if isinstance(virtual_stages, int) else None
+    ranking = surveyed = None
+    if how.leads:
+        with how.phase('the choice of stages="auto" (capture and profiling)'):
+            planner = Planner(
+                model, world_size, schedule=schedule, microbatches=None,
+                virtual_stages=fixed_v, balance="profile", leaf_modules=leaf_modules,
+                memory_limit=memory_limit, capture_method=capture_method,
+                dynamic_dims=dynamic_dims,
+            )
+            leaves, call_spec = tree_flatten(call_structure(example_input))
+            surveyed = planner.survey(tuple(leaves), call_spec, how)
+            ranking = search(
+                surveyed.captured, world_size=world_size,
+                batch_size=batch_size(example_input, "inputs"),
+                profiled_batch=batch_size(surveyed.example, "inputs"),
+                memory_limit=memory_limit, schedules=None if schedule == AUTO else [schedule],
+                virtual_stages=None if fixed_v is None else [fixed_v],
+            )
+            ranking.best  # noqa: B018 - nothing fits: the ValueError reaches every process
+    chosen: AutoPlan = how.agree('the stages="auto" layout', ranking)
+    return LayoutChoice.of(chosen, example_input, rank, surveyed)
