@@ -509,8 +509,10 @@ class Pipeline:
         """Re-partition from the measured costs when that cuts the calibrated predicted step
         by more than `threshold` (the stage modules are rebuilt; they share the model's
         parameters, so an optimizer over ``pipe.parameters()`` keeps working). Returns and
-        logs the Rebalance report (also kept as ``pipe.rebalanced``). One process only: under
-        torch.distributed the other processes no longer hold the weights a new cut needs."""
+        logs the Rebalance report (also kept as ``pipe.rebalanced``). Under torchrun every
+        process calls it at the same step: each rank's measured stage times are gathered,
+        global rank 0 re-partitions for the ranks' measured speeds, and the moved units'
+        weights, grads and optimizer state travel rank to rank (docs/distributed.md)."""
         return self._measured.rebalance(threshold)
 
     @property
@@ -521,8 +523,10 @@ class Pipeline:
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
         """Synthesise a schedule from the measured costs within the memory the running one
         may hold (``memory_limit``, else its peak in-flight activations) and run it from the
-        next step if it cuts the calibrated predicted step by more than `threshold`. One
-        process only. Returns the report, also kept as ``pipe.resynthesized``."""
+        next step if it cuts the calibrated predicted step by more than `threshold`. Under
+        torchrun every process calls it at the same step (global rank 0 synthesises from
+        every rank's measured times). Returns the report, also kept as
+        ``pipe.resynthesized``."""
         return self._measured.resynthesize(threshold)
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from pipeline.facade.replan import DistributedReplan
+from pipeline.facade.replan import DistributedReplan, repartitioned
 from pipeline.facade.setup import Setup
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
@@ -63,14 +63,15 @@ class MeasuredSteps:
             self.measured.append(trace)
         if self.steps > 1 and self.replan is not None:
             self.replan.record(trace, set(self.setup.executor.held()), schedule.num_stages)
-        ready = len(self.measured if self.replan is None else self.replan.stage_times) >= 2
-        if self.auto_rebalance and self.rebalanced is None and ready:
+        if self.auto_rebalance and self.rebalanced is None and self._ready():
             self.rebalance()
-        if (self.setup.planner.auto_schedule and self.resynthesized is None
-                and len(self.measured) >= 2
-                and self.setup.executor.coordination.keeps_whole_model
+        if (self.setup.planner.auto_schedule and self.resynthesized is None and self._ready()
                 and schedule.num_stages * schedule.num_microbatches <= SYNTH_MAX_CELLS):
             self.resynthesize()
+
+    def _ready(self) -> bool:
+        """Two measured steps of the running plan are in (every stage's, under torchrun)."""
+        return len(self.measured if self.replan is None else self.replan.stage_times) >= 2
 
     @property
     def calibration(self) -> Calibration | None:
@@ -155,34 +156,54 @@ class MeasuredSteps:
         log.info("hybridpipe: %s", report)
         return report
 
-    def _rebalance_distributed(self, replan: DistributedReplan, threshold: float) -> Rebalance:
-        """Every process calls it at the same step (pipeline.facade.replan)."""
-        setup = self.setup
-        planned = setup.require_plan()
-        planner = setup.planner
+    def _check_distributed(self, what: str, replan: DistributedReplan) -> None:
+        """What a distributed re-plan needs, checked alike on every process before any
+        tensor moves: the units' profiled costs on rank 0, no sharding, two measured steps."""
+        planner, shard = self.setup.planner, self.setup.executor.shard
         if not (planner.balance == "profile" or planner.auto or planner.auto_activations
                 or planner.profile_units):
             raise ValueError(
-                "rebalance under torch.distributed needs the units' profiled costs, which "
-                f"global rank 0 takes before the model is split; balance={planner.balance!r} "
-                "skips them: build the Pipeline with rebalance=True or balance='profile'"
+                f"{what} under torch.distributed needs the units' profiled costs, which global "
+                f"rank 0 takes before the model is split; balance={planner.balance!r} skips "
+                "them: build the Pipeline with rebalance=True or balance='profile'"
             )
-        if setup.executor.shard is not None:
+        if shard is not None:
             raise ValueError(
-                f"rebalance under torch.distributed with shard={setup.executor.shard!r} is not "
-                "supported yet; re-balance without sharding or pass the sizes it reports as "
-                "balance=[...]"
+                f"{what} under torch.distributed with shard={shard!r} is not supported yet; "
+                "re-plan without sharding, or pass the plan it reports (balance=[...]) or "
+                "schedule when building the Pipeline"
             )
         if len(replan.stage_times) < 2:
-            raise ValueError("rebalance needs measured steps: run at least three steps first")
+            raise ValueError(f"{what} needs measured steps: run at least three steps first")
+
+    def _rebalance_distributed(self, replan: DistributedReplan, threshold: float) -> Rebalance:
+        """Every process calls it at the same step (pipeline.facade.replan)."""
+        self._check_distributed("rebalance", replan)
+        planned = self.setup.require_plan()
         report = replan.decide(planned, self.calibration, threshold)
         if report.applied:
-            replan.move(planned, report.after, self._adopt)
+            replan.move(planned, repartitioned(planned, report.after), self._adopt)
         self.rebalanced = report
         log.info("hybridpipe: %s", report)
         return report
 
+    def _resynthesize_distributed(
+        self, replan: DistributedReplan, threshold: float
+    ) -> Resynthesis:
+        """Every process calls it at the same step; a new placement moves units."""
+        self._check_distributed("resynthesize", replan)
+        planned = self.setup.require_plan()
+        report, schedule = replan.decide_schedule(
+            planned, self.calibration, threshold, self.setup.planner.memory_limit)
+        if schedule is not None:
+            replan.move(planned, planned.rescheduled(schedule), self._adopt)
+        self.resynthesized = report
+        log.info("hybridpipe: %s", report)
+        return report
+
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
+        if self.replan is not None:
+            return self._resynthesize_distributed(self.replan, threshold)
         calibration = self._measured_in_one_process(
             "resynthesize",
             "every process would have to switch at the same step; pass the schedule it reports "

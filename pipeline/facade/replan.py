@@ -1,10 +1,11 @@
-"""Re-balancing a Pipeline under torch.distributed while it trains: every process's measured
-time of its own stages is gathered (an all-reduce: the slowest replica of each stage counts),
-global rank 0 re-partitions for the ranks' measured speeds
-(pipeline.planning.rank_speeds) and broadcasts its decision (a tensor: applied, the two
+"""Re-balancing (and re-synthesising the schedule of) a Pipeline under torch.distributed while
+it trains: every process's measured time of its own stages is gathered (an all-reduce: the
+slowest replica of each stage counts), global rank 0 re-partitions for the ranks' measured
+speeds (pipeline.planning.rank_speeds) and broadcasts its decision (a tensor: applied, the two
 predicted steps, the stage sizes); every process then makes the same plan from those sizes
 and, if it was adopted, moves the units whose pipeline rank changed with their gradients and
-optimizer state (pipeline.execution.distributed.moves) before the executor is rebuilt.
+optimizer state (pipeline.execution.distributed.moves) before the executor is rebuilt. A
+re-synthesised schedule's text is broadcast likewise (a new placement moves units too).
 
 The optimizers whose state moves are those made by ``pipe.optimizer(...)`` and any optimizer
 over this process's parameters that has stepped once (seen by a global optimizer step
@@ -31,7 +32,8 @@ from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import stage_costs
 from pipeline.planning.decision import Decision
 from pipeline.planning.rank_speeds import propose_for_ranks
-from scheduler import Op, Timeline
+from pipeline.planning.synthesis import SYNTH, Resynthesis, propose_schedule, running_limits
+from scheduler import Op, Schedule, Timeline
 
 log = logging.getLogger("hybridpipe")
 OPS = (Op.F, Op.B, Op.W)
@@ -93,7 +95,7 @@ class MoveReport:
 
 
 class DistributedReplan:
-    """The distributed re-balance of one Pipeline (`ctx`: its processes)."""
+    """The distributed re-balance and re-synthesis of one Pipeline (`ctx`: its processes)."""
 
     def __init__(self, ctx: DistContext, owned: Callable[[], set[int]]) -> None:
         self.ctx = ctx
@@ -115,46 +117,78 @@ class DistributedReplan:
             self.ctx.wait_work(work, None, "the measured stage times")
         return local.cpu().tolist()
 
+    def _measured(self, planned: Decision, calibration: Calibration | None) -> Calibration:
+        """(Rank 0) its calibration (overhead, latency from its pipeline's gathered traces)
+        with every stage's time gathered from the processes that ran it."""
+        times = self.gathered_times()
+        base = calibration if calibration is not None else Calibration(
+            [], [], [], 0.0, 0.0, 1, planned.schedule.splits_backward)
+        return replace(base, forward=times[0], backward=times[1], weight=times[2], per_step=())
+
+    def _broadcast(self, values: list[float], text: str, what: str) -> tuple[list[float], str]:
+        """Global rank 0's `values` (a fixed count every process knows) and `text` (UTF-8
+        bytes, preceded by their length) on every process."""
+        device = self.ctx.device
+        head = torch.tensor([*values, float(len(text.encode()))], dtype=torch.float64,
+                            device=device)
+        with self.ctx.guard(f"agreement on {what}"):
+            work = dist.broadcast(head, src=0, async_op=True)
+            self.ctx.wait_work(work, None, what)
+            length = int(head[-1].item())
+            body = (torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+                    if self.ctx.layout.rank == 0
+                    else torch.empty(length, dtype=torch.uint8, device=device))
+            if body.numel():
+                work = dist.broadcast(body, src=0, async_op=True)
+                self.ctx.wait_work(work, None, what)
+        return head[:-1].cpu().tolist(), bytes(body.cpu().numpy()).decode()
+
     def decide(
         self, planned: Decision, calibration: Calibration | None, threshold: float
     ) -> Rebalance:
-        """Global rank 0's proposal from the gathered times, the same on every process."""
-        times = self.gathered_times()
-        n = planned.schedule.num_stages
-        decision = torch.zeros(3 + n, dtype=torch.float64, device=self.ctx.device)
+        """Global rank 0's re-partition from the gathered times, the same on every process."""
+        measured = self._measured(planned, calibration)
+        values = [0.0] * (3 + planned.schedule.num_stages)
         if self.ctx.layout.rank == 0:
-            base = calibration if calibration is not None else Calibration(
-                [], [], [], 0.0, 0.0, 1, planned.schedule.splits_backward)
-            measured = replace(base, forward=times[0], backward=times[1], weight=times[2],
-                               per_step=())
             profiled = planned.costs or stage_costs(planned.captured, planned.plan)
             report, plan = propose_for_ranks(planned.captured, planned.plan, planned.schedule,
                                              measured, profiled, threshold)
-            decision = torch.tensor([float(report.applied), report.predicted_before,
-                                     report.predicted_after, *plan.sizes],
-                                    dtype=torch.float64, device=self.ctx.device)
-        with self.ctx.guard("agreement on the re-balanced plan"):
-            work = dist.broadcast(decision, src=0, async_op=True)
-            self.ctx.wait_work(work, None, "the re-balanced plan")
-        values = decision.cpu().tolist()
+            values = [float(report.applied), report.predicted_before, report.predicted_after,
+                      *map(float, plan.sizes)]
+        values, _ = self._broadcast(values, "", "the re-balanced plan")
         return Rebalance(
             before=planned.plan.sizes, after=[int(v) for v in values[3:]],
             predicted_before=values[1], predicted_after=values[2], threshold=threshold,
             applied=bool(values[0]),
         )
 
-    def move(self, planned: Decision, sizes: list[int],
-             adopt: Callable[[Decision], None]) -> Decision:
-        """Make the plan of `sizes` (the same on every process), move the units, `adopt` it
-        (the executor is rebuilt for it)."""
+    def decide_schedule(
+        self, planned: Decision, calibration: Calibration | None, threshold: float,
+        memory_limit: float | None,
+    ) -> tuple[Resynthesis, Schedule | None]:
+        """Global rank 0's schedule synthesised from the gathered times (its text broadcast),
+        the same on every process; None when not applied."""
+        measured = self._measured(planned, calibration)
+        values, text = [0.0, 0.0, 0.0], ""
+        if self.ctx.layout.rank == 0:
+            profiled = planned.costs or stage_costs(planned.captured, planned.plan)
+            limits = running_limits(planned.schedule, profiled, memory_limit)
+            report, schedule = propose_schedule(planned.schedule, measured, profiled, limits,
+                                                threshold)
+            values = [float(report.applied), report.predicted_before, report.predicted_after]
+            text = schedule.to_text() if report.applied else ""
+        values, text = self._broadcast(values, text, "the re-synthesised schedule")
+        report = Resynthesis(planned.schedule.name, values[1], values[2], threshold,
+                             bool(values[0]))
+        return report, Schedule.from_text(text, name=SYNTH) if report.applied else None
+
+    def move(self, planned: Decision, new: Decision,
+             adopt: Callable[[Decision], None]) -> None:
+        """Move the units whose pipeline rank differs between `planned` and `new` (the same
+        decision on every process), then `adopt` it (the executor is rebuilt for it)."""
         start = time.perf_counter()
-        captured, schedule = planned.captured, planned.schedule
-        plan = partition(captured, schedule.num_stages, sizes)
-        new = planned.repartitioned(plan)
-        if captured.profiled:  # rank 0's
-            new = replace(new, costs=stage_costs(captured, plan))
-        moves = plan_moves(holders(planned.model, planned.modules, schedule.placement),
-                           holders(new.model, new.modules, schedule.placement),
+        moves = plan_moves(holders(planned.model, planned.modules, planned.schedule.placement),
+                           holders(new.model, new.modules, new.schedule.placement),
                            self.ctx.layout.pp_rank)
         mover = UnitMove(self.ctx, planned.model, moves, self.optimizers.alive())
         with self.ctx.guard("move of the re-balanced units"):
@@ -166,4 +200,12 @@ class DistributedReplan:
                                     moves.moved)
         log.info("hybridpipe: moved %d tensors in %.3f s (%d bytes received here)",
                  moves.moved, self.last_move.seconds, self.last_move.bytes_received)
-        return new
+
+
+def repartitioned(planned: Decision, sizes: list[int]) -> Decision:
+    """`planned` split into stages of `sizes` units (the same plan on every process), with
+    the stage costs where the units were profiled (global rank 0)."""
+    captured = planned.captured
+    plan = partition(captured, planned.schedule.num_stages, sizes)
+    new = planned.repartitioned(plan)
+    return replace(new, costs=stage_costs(captured, plan)) if captured.profiled else new

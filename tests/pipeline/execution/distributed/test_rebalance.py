@@ -45,12 +45,14 @@ def _slow_down(model: nn.Module, slow: bool) -> None:
             m.register_forward_hook(lambda *_: time.sleep(SLEEP))
 
 
-def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6) -> tuple[Any, list[int]]:
+def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6,
+         resynthesize_at: int | None = None) -> tuple[Any, list[int]]:
     """Adam on the pipeline and the unsplit model; losses compared at every step, weights at
     the end; the last pipeline rank is the slow one. `auto`: rebalance=True from a plan
     balanced by parameters, else pipe.rebalance() after the third step of a profiled plan
-    (which the slow rank makes wrong). Returns the Pipeline and its first
-    plan's sizes."""
+    (which the slow rank makes wrong). `resynthesize_at`: after that step, switch to a
+    schedule synthesised from the measured costs (threshold -1: whatever it predicts).
+    Returns the Pipeline and its first plan's sizes."""
     import torch.distributed as dist
 
     from pipeline import Pipeline
@@ -76,6 +78,9 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6) -> tuple[Any, li
         first = first or pipe.plan.sizes
         if step == 2 and not auto:
             pipe.rebalance()
+        if step == resynthesize_at:
+            assert pipe.resynthesize(threshold=-1.0).applied
+            assert pipe.schedule.name == "synth", pipe.schedule
         opt.step()
         torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=ATOL, rtol=0,
                                    msg=f"{schedule} pp={pp}: loss of step {step}")
@@ -88,15 +93,17 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6) -> tuple[Any, li
     print(f"rank {dist.get_rank()}: {report}", flush=True)
     assert report is not None and report.applied, report
     assert report.before == first and report.after == pipe.plan.sizes, (report, pipe.plan)
+    assert (pipe.resynthesized is not None) == (resynthesize_at is not None)
     assert report.after[-1] < report.before[-1], f"the slow rank kept its work: {report}"
     return pipe, first
 
 
 def worker_adam_1f1b(out: Path) -> None:
     """pp=2, 1F1B, rebalance=True: re-balanced after the third step's backward (its grads
-    and the Adam state move), then trained on."""
+    and the Adam state move), then trained on; after the fifth step the schedule is
+    re-synthesised from the measured costs (a split-backward schedule of the same ranks)."""
     init_worker()
-    _run(2, "1f1b", auto=True)
+    _run(2, "1f1b", auto=True, steps=8, resynthesize_at=4)
     print("worker adam_1f1b: every check ran", flush=True)
 
 
