@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.distributed import ATOL, all_ok, init_worker, launch
+from tests.support.distributed import ATOL, all_ok, init_worker, launch, replica_slice
 from tests.support.models import global_batch, lm_loss, make_model
 
 # ---------------------------------------------------------------------------------------------
@@ -45,13 +45,15 @@ def _slow_down(model: nn.Module, slow: bool) -> None:
             m.register_forward_hook(lambda *_: time.sleep(SLEEP))
 
 
-def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6,
+def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
          resynthesize_at: int | None = None) -> tuple[Any, list[int]]:
     """Adam on the pipeline and the unsplit model; losses compared at every step, weights at
     the end; the last pipeline rank is the slow one. `auto`: rebalance=True from a plan
     balanced by parameters, else pipe.rebalance() after the third step of a profiled plan
-    (which the slow rank makes wrong). `resynthesize_at`: after that step, switch to a
-    schedule synthesised from the measured costs (threshold -1: whatever it predicts).
+    (which the slow rank makes wrong). With `dp` replicas, each steps on its slice of the
+    batch and pipeline rank pp - 1 of every replica is slow. `resynthesize_at`: after that
+    step, switch to a schedule synthesised from the measured costs (threshold -1: whatever
+    it predicts).
     Returns the Pipeline and its first plan's sizes."""
     import torch.distributed as dist
 
@@ -60,21 +62,23 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6,
 
     ref = _tied_model()
     model = _tied_model()
-    _slow_down(model, dist.get_rank() == pp - 1)
-    pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=4, loss_fn=lm_loss,
+    _slow_down(model, dist.get_rank() % pp == pp - 1)
+    pipe = Pipeline(model, stages=pp, data_parallel=dp, schedule=schedule, microbatches=4,
+                    loss_fn=lm_loss,
                     balance="parameters" if auto else "profile", capture_method="fx",
                     rebalance=auto)
     opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     first: list[int] = []
     for step in range(steps):
-        x, y = global_batch(step, 8)
+        x, y = global_batch(step, 8 * dp)
         ref_opt.zero_grad()
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
         ref_opt.step()
         opt.zero_grad()
-        loss = pipe.step(x, y)
+        d = dist.get_rank() // pp
+        loss = pipe.step(replica_slice(x, d, dp), replica_slice(y, d, dp))
         first = first or pipe.plan.sizes
         if step == 2 and not auto:
             pipe.rebalance()
@@ -105,6 +109,14 @@ def worker_adam_1f1b(out: Path) -> None:
     init_worker()
     _run(2, "1f1b", auto=True, steps=8, resynthesize_at=4)
     print("worker adam_1f1b: every check ran", flush=True)
+
+
+def worker_dp2(out: Path) -> None:
+    """pp=2 x dp=2, 1F1B, rebalance=True: every replica moves its own units (the slowest
+    replica's times count), gradients averaged over the replicas before and after."""
+    init_worker()
+    _run(2, "1f1b", auto=True, dp=2)
+    print("worker dp2: every check ran", flush=True)
 
 
 def worker_zb_pp4(out: Path) -> None:
@@ -151,6 +163,7 @@ def worker_fail_move(out: Path) -> None:
 WORKERS: dict[str, Callable[[Path], None]] = {
     "adam_1f1b": worker_adam_1f1b,
     "zb_pp4": worker_zb_pp4,
+    "dp2": worker_dp2,
     "fail_move": worker_fail_move,
 }
 
@@ -160,7 +173,8 @@ WORKERS: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("worker", "world"), [("adam_1f1b", 2), ("zb_pp4", 4)])
+@pytest.mark.parametrize(("worker", "world"), [("adam_1f1b", 2), ("zb_pp4", 4),
+                                                        ("dp2", 4)])
 def test_rebalance_moves_units_and_trains_exactly(tmp_path: Path, worker: str,
                                                   world: int) -> None:
     all_ok(launch(worker, world, tmp_path, script=__file__, deadline=240), worker)
