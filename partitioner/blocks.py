@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from partitioner.autocast import op_of
+
 
 def _module_path(node: fx.Node) -> str | None:
     if node.op == "call_module":
@@ -75,7 +77,7 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
 def _written(node: fx.Node, stage: nn.Module) -> set[str]:
     """Names of the values `node` writes in place (a block must not write one it takes: its
     checkpoint saved it for the recomputation)."""
-    target = node.target
+    target = op_of(node.target)
     args = node.args
     if isinstance(target, torch._ops.OpOverload):
         return {

@@ -23,6 +23,7 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from partitioner.autocast import inline_regions
 from partitioner.captured import Captured, Method, Value
 from partitioner.exported import (
     Unflatten,
@@ -30,6 +31,7 @@ from partitioner.exported import (
     group_units,
     is_symbolic,
     non_persistent_buffers,
+    unit_key,
     unit_module,
 )
 from partitioner.inputs import (
@@ -193,7 +195,6 @@ def _export(request: _Request) -> Captured:
     try:
         with _no_cache(model):
             exported = export_flat(model, request.args, request.kwargs, request.dynamic_dims)
-        units = group_units(exported.gm, model, request.rule)
     except CaptureError:
         raise
     except Exception as exc:  # export raises many kinds
@@ -201,6 +202,9 @@ def _export(request: _Request) -> Captured:
             f"torch.export could not capture {type(model).__name__}: {_first_lines(exc)}"
         ) from exc
     gm = exported.gm
+    # After export's try: a block that cannot be cut is the user's to change, not export's.
+    inline_regions(gm, lambda n: unit_key(n, model, request.rule), type(model).__name__)
+    units = group_units(gm, model, request.rule)
     meta = _exported_meta(gm)
     return _record(
         request, gm, units, "export", meta if meta is not None else _run_meta(request, gm),

@@ -261,7 +261,7 @@ class SymLookup:
 # ---------------------------------------------------------------------------------------------
 
 
-def _unit_key(node: fx.Node, model: nn.Module, is_leaf: LeafRule) -> str:
+def unit_key(node: fx.Node, model: nn.Module, is_leaf: LeafRule) -> str:
     """The outermost leaf module call the node runs in, else the innermost module call ('' =
     root): the module's path, with torch.export's call count ("@1", "@2", ...) for a module
     called more than once (ALBERT's shared layer, a loop over one block), so every call is a
@@ -294,7 +294,7 @@ def group_units(
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or is_symbolic(node):
             continue
-        key = _unit_key(node, model, is_leaf)
+        key = unit_key(node, model, is_leaf)
         if key and units and units[-1][0] == key:
             units[-1][1].append(node.name)
         else:
@@ -326,8 +326,11 @@ def unit_module(
     names: list[str] = []
     for i, (_, members) in enumerate(units):
         sub, sources = _unit_graph(nodes, members, outputs, unit_of, names, order)
+        base = bases[i]
+        if hasattr(root, base):  # a Module attribute ("to", "float"): fx would call that
+            base = f"{base}_unit"
         call = top.create_node(
-            "call_module", "", tuple(results[s] for s in sources), name=bases[i]
+            "call_module", "", tuple(results[s] for s in sources), name=base
         )
         call.target = call.name
         names.append(call.name)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from partitioner.autocast import op_of
 from partitioner.captured import Captured
 
 
@@ -38,7 +39,7 @@ def mode_sensitive(gm: fx.GraphModule) -> bool:
     """Whether the exported graph holds ops whose train/eval behaviour it baked in: dropout
     with p > 0, batch or instance norm."""
     for n in gm.graph.nodes:
-        name = str(n.target)
+        name = str(op_of(n.target))
         if "dropout" in name and not (len(n.args) > 1 and n.args[1] == 0):
             return True
         if "batch_norm" in name or "instance_norm" in name:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from partitioner.autocast import op_of
 from partitioner.exported import is_symbolic
 
 _PLAIN = ("call_function", "call_method")
@@ -202,7 +203,7 @@ def _is_alias(node: fx.Node) -> bool:
     tuple of views such as split's)."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    target = node.target
+    target = op_of(node.target)
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return any(r.alias_info is not None for r in target._schema.returns)
