@@ -4,7 +4,7 @@ sequence length is captured again with that dim dynamic, on the same stages); a 
 several times (ALBERT's shared layer, a plain loop over one block) is one unit per call, so
 its calls are balanced across stages and the shared weights live on several stages, exact in
 float64; identical blocks are profiled once; 0-dim outputs (a router's auxiliary loss) come
-back through pipe(x)."""
+back through pipe(x); a unit named like an nn.Module method (a final ``.to``) runs as itself."""
 
 from __future__ import annotations
 
@@ -311,3 +311,31 @@ def test_recapture_errors_name_dynamic_dims() -> None:
         planner.recaptured(decision, Microbatches.split(tuple(longer), 2), split)
     same = Microbatches.split(tuple(leaves), 2)
     assert planner.recaptured(decision, same, split) is decision  # nothing changed
+
+
+class CastOut(nn.Module):
+    """Ends in a top-level ``.to(dtype)``: torch.export names that op's node (and so its unit)
+    "to", as nn.Module names its own method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).to(torch.float64)
+
+
+def test_a_unit_named_like_a_module_method_runs_as_itself() -> None:
+    model = CastOut()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 8, dtype=torch.float64)
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss())
+    loss = pipe.step(x, y)
+    assert "to_unit" in pipe.captured.order
+    want = sum(nn.MSELoss()(ref(xm), ym) / 2 for xm, ym in
+               zip(x.tensor_split(2), y.tensor_split(2), strict=True))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), atol=0, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
