@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, Sampler
 
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
-from pipeline.execution.compiled import compile_options
+from pipeline.execution.compiled import CompileStats, compile_options
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
 from pipeline.execution.loss_scale import LossScaler, Stepper
@@ -294,6 +294,12 @@ class Pipeline:
         ``peak`` after a step is that rank's peak. Once the plan is made."""
         self._setup.require_plan()
         return self._executor.count_saved()
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        """With ``compile=``: graphs compiled, seconds spent, regions sharing an artefact and
+        what runs eager with the reason (logged after a step that compiled); else None."""
+        return self._executor.compile_stats if self._executor.compile is not None else None
 
     @property
     def stage_modules(self) -> list[StageModule]:

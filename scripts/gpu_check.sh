@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with one CUDA GPU (at most 8 minutes: the per-check limits
-# below add up to 480 s). It runs tests/pipeline/execution/test_cuda.py (the stream layer; the
+# One prepared check for a machine with one CUDA GPU (at most 12 minutes: the per-check limits
+# below add up to 720 s). It runs tests/pipeline/execution/test_cuda.py (the stream layer; the
 # local executor on CUDA streams for four schedules; bf16 and fp16 mixed precision on CUDA
 # against the unsplit model under torch.autocast("cuda") and torch.amp.GradScaler; Llama captured on CPU then run
 # on CUDA, exact in float64; an autocast block captured on CPU that must run under CUDA
-# autocast), the CPU mixed-precision tests, and a short bf16-vs-fp32 step timing on the GPU,
+# autocast), compiled stages on CUDA (tests/pipeline/execution/test_compile.py -m cuda: inductor
+# with mode="max-autotune-no-cudagraphs", 1F1B and ZB-H1 against the eager pipeline), the CPU
+# mixed-precision tests, and a short bf16-vs-fp32 step timing on the GPU,
 # then prints a summary. Exits non-zero when a check fails, times out or is skipped (a skipped
 # CUDA test means no CUDA). Needs no network: it uses $PYTHON, else .venv/bin/python, else
 # python3, with torch (and transformers, for Llama) already installed.
@@ -65,6 +67,9 @@ except ImportError:
 PYEOF
 
 check cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/pipeline/execution/test_cuda.py
+
+check compile-cuda 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
+  tests/pipeline/execution/test_compile.py
 
 check precision-cpu 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" \
   tests/pipeline/execution/test_precision.py

@@ -239,6 +239,8 @@ class Executor(ABC):
             placed, None if ys is None else ys.on(self.target_device), weights
         )
         apply_input_grads(placed, result.input_grads)
+        if self.compile is not None:
+            self.compile_stats.log_news()
         return result
 
     def forward(self, inputs: Microbatches | None) -> Any:

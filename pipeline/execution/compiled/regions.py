@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from partitioner.autocast import op_of
 from partitioner.exported import is_symbolic
@@ -37,7 +37,17 @@ class Region:
     outputs: list[fx.Node] = field(default_factory=list)
     copied: list[fx.Node] = field(default_factory=list)  # symbolic sizes recomputed here
     sizes: dict[fx.Node, tuple[int, int]] = field(default_factory=dict)  # ... or re-read
-    eager_reason: str | None = None  # why this region cannot be compiled
+    modules: list[str] = field(default_factory=list)  # modules called whole (torch.fx)
+    states: list[tuple[str, str]] = field(default_factory=list)  # their tensors: (m0.w, path)
+
+
+def _item(path: str) -> str | None:
+    """The path up to its first index (``blocks.3.attn`` -> ``blocks.3``), else None."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
 
 
 def block_key(node: fx.Node) -> str:
@@ -45,16 +55,20 @@ def block_key(node: fx.Node) -> str:
     index, with torch.export's call count for a module called more than once); '' outside."""
     stack = node.meta.get("nn_module_stack") or {}
     for key, (path, _) in stack.items():
-        path = str(path)
-        if path and path.rpartition(".")[2].isdigit():
+        item = _item(str(path))
+        if item is not None:
             count = str(key).rpartition("@")[2] if "@" in str(key) else ""
-            return f"{path}@{count}" if count.isdigit() else path
+            return f"{item}@{count}" if count.isdigit() and item == path else item
+    if node.op == "call_module":  # torch.fx: the module called whole
+        return _item(str(node.target)) or ""
     return ""
 
 
 def _module_name(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [str(path) for path, _ in stack.values() if path]
+    if node.op == "call_module":
+        paths.append(str(node.target))
     return paths[0] if paths else "(model ops)"
 
 
@@ -82,11 +96,6 @@ def _group(graph: fx.Graph) -> list[Region]:
                     regions.append(Region(key or _module_name(node)))
             last_key = key
             region = regions[-1]
-            if node.op == "call_module":
-                region.eager_reason = (
-                    "it calls a module whole (torch.fx capture); capture with torch.export "
-                    "(capture_method='export') to compile it"
-                )
         region.nodes.append(node)
         region_of[node] = region
     return regions
@@ -107,6 +116,18 @@ def _size_of(inputs: list[fx.Node], expr: Any) -> tuple[int, int] | None:
             if isinstance(size, torch.SymInt) and size.node.expr == expr:
                 return i, dim
     return None
+
+
+def _call_modules(region: Region, owner: nn.Module) -> None:
+    """The modules the region calls whole, and their tensors (passed in like attributes)."""
+    for node in region.nodes:
+        if node.op == "call_module" and str(node.target) not in region.modules:
+            i = len(region.modules)
+            region.modules.append(str(node.target))
+            module = owner.get_submodule(str(node.target))
+            named = [*module.named_parameters(remove_duplicate=False),
+                     *module.named_buffers(remove_duplicate=False)]
+            region.states += [(f"m{i}.{name}", f"{node.target}.{name}") for name, _ in named]
 
 
 def _needs(region: Region) -> None:
@@ -142,11 +163,13 @@ def _needs(region: Region) -> None:
             read(node)
 
 
-def regions_of(graph: fx.Graph) -> list[Region]:
-    """The graph's regions in order, each with its attrs, inputs and outputs."""
+def regions_of(stage: fx.GraphModule) -> list[Region]:
+    """The stage graph's regions in order, each with its attrs, inputs and outputs."""
+    graph = stage.graph
     regions = _group(graph)
     for region in regions:
         _needs(region)
+        _call_modules(region, stage)
     used_later: set[fx.Node] = set()
     for region in regions:
         used_later.update(region.inputs)
@@ -157,9 +180,15 @@ def regions_of(graph: fx.Graph) -> list[Region]:
     return regions
 
 
-def canonical(region: Region) -> fx.GraphModule:
+def canonical(region: Region, owner: nn.Module) -> fx.GraphModule:
     """The region as a module of its own: placeholders a0.. (attrs), x0.. (inputs), nodes
-    n0.., returning the tuple of its outputs. Equal blocks give equal code."""
+    n0.., modules called whole as m0.. (`owner`'s), returning the tuple of its outputs. Equal
+    blocks give equal code."""
+    root = nn.Module()
+    renamed = {}
+    for i, target in enumerate(region.modules):
+        root.add_module(f"m{i}", owner.get_submodule(target))
+        renamed[target] = f"m{i}"
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(region.attrs):
@@ -181,7 +210,9 @@ def canonical(region: Region) -> fx.GraphModule:
         else:
             args = fx.node.map_arg(node.args, emit)
             kwargs = fx.node.map_arg(node.kwargs, emit)
-            env[node] = graph.create_node(node.op, node.target, args, kwargs, name=next(names))
+            target = renamed.get(str(node.target), node.target) if node.op == "call_module" \
+                else node.target
+            env[node] = graph.create_node(node.op, target, args, kwargs, name=next(names))
         env[node].meta = {k: v for k, v in node.meta.items() if k == "val"}
         return env[node]
 
@@ -195,7 +226,7 @@ def canonical(region: Region) -> fx.GraphModule:
         outs.append(out)
     graph.output(tuple(outs))
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return fx.GraphModule(root, graph)
 
 
 def _is_alias(node: fx.Node) -> bool:
@@ -212,7 +243,7 @@ def _is_alias(node: fx.Node) -> bool:
 def outline(
     gm: fx.GraphModule, regions: Sequence[Region], runners: Sequence[Callable[..., Any]]
 ) -> fx.GraphModule:
-    """`gm` with each region replaced by ``runners[k](*attrs, *inputs)`` (a tuple of its
+    """`gm` with each region replaced by ``runners[k](*attrs, *states, *inputs)`` (a tuple of its
     outputs): the driver of the compiled stage. Attributes are read from `gm` at call time."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -229,7 +260,8 @@ def outline(
             env[node] = graph.node_copy(node)
         elif node in start:
             region, run = start[node]
-            args = [lookup(a) for a in (*region.attrs, *region.inputs)]
+            states = [graph.get_attr(path) for _, path in region.states]
+            args = [*map(lookup, region.attrs), *states, *map(lookup, region.inputs)]
             call = graph.call_function(run, tuple(args))
             # The block's module, so an activation policy recomputes region by region.
             stack = {"nn_module_stack": node.meta.get("nn_module_stack", {})}

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
+from torch.func import functional_call
 
 from pipeline.execution.compiled.joint import JointGraphs, trace_joint
 from pipeline.execution.compiled.options import CompileOptions
@@ -43,6 +44,18 @@ class CompileStats:
     reused: int = 0
     eager: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    logged: int = field(default=0, repr=False)
+
+    def __str__(self) -> str:
+        eager = f"; eager: {', '.join(self.eager)}" if self.eager else ""
+        return (f"{self.graphs} graphs compiled in {self.seconds:.1f} s (tracing included), "
+                f"{self.reused} region shapes served by an equal region's artefact{eager}")
+
+    def log_news(self) -> None:
+        """One log line when a step compiled something new (the first step, a new shape)."""
+        if self.graphs != self.logged:
+            self.logged = self.graphs
+            log.info("hybridpipe compile: %s", self)
 
     def add(self, seconds: float, graphs: int = 0) -> None:
         with self.lock:
@@ -63,7 +76,7 @@ class _Compiled:
     """One graph and its compiled form: the first call compiles (timed into the stats); if
     compiling fails the graph runs as it is from then on, with a warning."""
 
-    def __init__(self, gm: fx.GraphModule, options: CompileOptions, what: str) -> None:
+    def __init__(self, gm: nn.Module, options: CompileOptions, what: str) -> None:
         self.gm = gm
         self.what = what
         self.compiled: Callable[..., Any] = options.compile(gm)
@@ -118,6 +131,18 @@ def _reason(err: Exception) -> str:
                 "statistics; AOTAutograd's joint trace takes functional regions only")
     first = text.splitlines()[0] if text else ""
     return f"{type(err).__name__}: {first[:200]}"
+
+
+class _Functional(nn.Module):
+    """A region with modules called whole, taking their tensors as arguments (what
+    torch.compile compiles for a forward-only call)."""
+
+    def __init__(self, runner: RegionRunner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def forward(self, *flat: Any) -> Any:
+        return self.runner.run(*flat)
 
 
 def _will_run(ctx: Any, indices: Sequence[int]) -> bool:
@@ -205,6 +230,7 @@ def _autocast_state(device_type: str) -> tuple[Any, ...]:
 
 
 _ARTEFACTS: dict[tuple[Any, ...], Artefact | _Compiled | str] = {}
+_TRACED: dict[tuple[Any, ...], Artefact] = {}  # by the traced graphs' code
 _TRACING = threading.Lock()
 _MAX_SIGNATURES = 8  # per region: beyond that, new shapes run eager (a warning says so)
 
@@ -212,27 +238,32 @@ _MAX_SIGNATURES = 8  # per region: beyond that, new shapes run eager (a warning 
 class RegionRunner:
     """Called by the driver as ``runner(*attrs, *inputs)``; returns the region's outputs."""
 
-    def __init__(self, region: Region, options: CompileOptions, stats: CompileStats,
-                 where: str) -> None:
-        self.gm = canonical(region)
+    def __init__(self, region: Region, owner: nn.Module, options: CompileOptions,
+                 stats: CompileStats, where: str) -> None:
+        self.gm = canonical(region, owner)
         self.name = f"{where} region {region.name!r}"
         self.options = options
         self.stats = stats
-        self.attrs = len(region.attrs)
+        self.states = [name for name, _ in region.states]
+        self.weights = len(region.attrs) + len(self.states)  # flat args that may be weights
+        # Modules called whole are told apart by their code and settings (a torch.nn module's
+        # repr), anything else by identity.
+        self.modules = tuple(
+            repr(m) if type(m).__module__.startswith("torch.nn") else id(m)
+            for m in self.gm.children()
+        )
         self.code = self.gm.code
         self.constants = tuple(  # tensors held in the code itself: not told apart by it
             id(c) for n in self.gm.graph.nodes for c in (*n.args, *n.kwargs.values())
             if isinstance(c, Tensor)
         )
         self.signatures: set[tuple[Any, ...]] = set()
-        self.eager = region.eager_reason
-        if self.eager is not None:
-            stats.runs_eager(self.name, self.eager)
+        self.eager: str | None = None
         self.__name__ = f"compiled_{region.name.replace('.', '_').replace('@', '_')}"
 
     def __call__(self, *flat: Any) -> Any:
         if self.eager is not None:
-            return self.gm(*flat)
+            return self.run(*flat)
         training = torch.is_grad_enabled() and any(
             isinstance(t, Tensor) and t.requires_grad for t in flat
         )
@@ -242,16 +273,25 @@ class RegionRunner:
         except Exception as err:  # noqa: BLE001 - a region that cannot be traced runs eager
             self.eager = f"it could not be traced for compilation ({_reason(err)})"
             self.stats.runs_eager(self.name, self.eager)
-            return self.gm(*flat)
+            return self.run(*flat)
         if isinstance(art, str):
-            return self.gm(*flat)
+            return self.run(*flat)
         if isinstance(art, _Compiled):
             with torch.autocast(device_type, enabled=False):
                 return art(self.stats, *flat)
         return RegionFunction.apply(art, device_type, *map(_gate, flat))
 
+    def run(self, *flat: Any) -> Any:
+        """The region as it is (eager): attrs, states of the modules called whole, inputs."""
+        if not self.states:
+            return self.gm(*flat)
+        a, s = self.weights - len(self.states), len(self.states)
+        state = dict(zip(self.states, flat[a : a + s], strict=True))
+        return functional_call(self.gm, state, (*flat[:a], *flat[a + s :]))
+
     def _artefact(self, flat: Sequence[Any], training: bool, device_type: str) -> Any:
-        key = (self.code, self.constants, self.options.key(), _signature(flat), training,
+        key = (self.code, self.constants, self.modules, self.options.key(), _signature(flat),
+               training,
                _autocast_state(device_type))
         art = _ARTEFACTS.get(key)
         if art is not None:
@@ -275,7 +315,8 @@ class RegionRunner:
 
     def _build(self, flat: Sequence[Tensor], training: bool, device_type: str) -> Any:
         if not training:
-            return _Compiled(self.gm, self.options, f"{self.name} (forward only)")
+            region = _Functional(self) if self.states else self.gm
+            return _Compiled(region, self.options, f"{self.name} (forward only)")
         start = time.perf_counter()
         args = [t.detach().requires_grad_(t.requires_grad) for t in flat]
         # Which outputs need a grad, from a run on fake tensors (no side effects, such as a
@@ -284,14 +325,26 @@ class RegionRunner:
         with torch.enable_grad(), saved_tensors_hooks(_same, _same):
             with FakeTensorMode(allow_non_fake_inputs=True) as fake:
                 probe = [fake.from_tensor(t).requires_grad_(t.requires_grad) for t in args]
-                outputs = self.gm(*probe)
+                outputs = self.run(*probe)
             differentiable = [isinstance(o, Tensor) and o.requires_grad for o in outputs]
-            weights = [i for i in range(self.attrs) if flat[i].requires_grad]
-            joint = trace_joint(lambda *a: tuple(self.gm(*a)), args, differentiable, weights)
+            weights = [i for i in range(self.weights) if flat[i].requires_grad]
+            joint = trace_joint(lambda *a: tuple(self.run(*a)), args, differentiable, weights)
         for node in joint.forward.graph.nodes:
             if node.op == "output":
                 saved = node.args[0][joint.num_outputs:]
                 if any(not isinstance(n.meta.get("val"), Tensor) for n in saved):
                     raise RuntimeError("the forward keeps non-tensor values for the backward")
         self.stats.add(time.perf_counter() - start)
-        return Artefact(joint, self.options, self.name, self.stats)
+        # Regions told apart before tracing (modules called whole, compared by identity) may
+        # still trace to the same graphs: they share the compiled ones.
+        graphs = [joint.forward, joint.backward]
+        if any(n.op == "get_attr" for g in graphs for n in g.graph.nodes):
+            return Artefact(joint, self.options, self.name, self.stats)
+        key = (*(g.code for g in graphs), self.options.key(), _signature(flat))
+        art = _TRACED.get(key)
+        if art is None:
+            art = _TRACED[key] = Artefact(joint, self.options, self.name, self.stats)
+        else:
+            with self.stats.lock:
+                self.stats.reused += 1
+        return art

@@ -19,9 +19,9 @@ def compiled_stage(
 ) -> fx.GraphModule:
     """A module that runs `stage` (same inputs, outputs, parameters and their names) through
     compiled regions."""
-    regions = regions_of(stage.graph)
+    regions = regions_of(stage)
     where = f"stage {stage.index}"
-    runners = [RegionRunner(region, options, stats, where) for region in regions]
+    runners = [RegionRunner(region, stage, options, stats, where) for region in regions]
     driver = outline(stage, regions, runners)
     driver.input_names = list(stage.input_names)  # type: ignore[assignment]
     driver.output_names = list(stage.output_names)  # type: ignore[assignment]
