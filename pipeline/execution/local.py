@@ -21,6 +21,7 @@ from torch import Tensor
 from partitioner import StageModule
 from pipeline.execution import streams
 from pipeline.execution.cancel import CancelToken, PipelineAborted
+from pipeline.execution.compiled import compiling
 from pipeline.execution.executor import Executor, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.program import RankResult, StepResult
@@ -67,6 +68,8 @@ class _Mailbox:
                         f"{describe_message(key)}: another rank failed"
                     )
                 left = deadline - time.monotonic()
+                if left <= 0 and compiling():  # a peer compiling its stage is not stuck
+                    deadline, left = time.monotonic() + timeout, timeout
                 if left <= 0:
                     raise TimeoutError(
                         f"pipeline rank {rank} waited {timeout:.1f} s for "
@@ -337,7 +340,9 @@ class LocalExecutor(Executor):
             # A waiting peer times out after `timeout`; this catches stages stuck with none
             # waiting on them, a little later so that the peer's own error comes first.
             while not wake.wait(_POLL):
-                if time.monotonic() - cancel.beat > self.timeout + _GRACE:
+                if compiling():  # a stage compiling is busy, not stuck
+                    cancel.beat = time.monotonic()
+                elif time.monotonic() - cancel.beat > self.timeout + _GRACE:
                     break
         except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             self._cancel(cancel, threads)

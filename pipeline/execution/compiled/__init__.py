@@ -2,7 +2,7 @@
 forward, input-grad and weight-grad graphs, and the compiled stage module."""
 
 from pipeline.execution.compiled.options import CompileOptions, compile_options
-from pipeline.execution.compiled.runner import CompileStats
+from pipeline.execution.compiled.runner import CompileStats, compiling
 from pipeline.execution.compiled.stage import compiled_stage
 
-__all__ = ["CompileOptions", "CompileStats", "compile_options", "compiled_stage"]
+__all__ = ["CompileOptions", "CompileStats", "compile_options", "compiled_stage", "compiling"]

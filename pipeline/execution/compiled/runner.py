@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,27 @@ class CompileStats:
         log.warning(message)
 
 
+_BUSY = [0]  # threads of this process tracing or compiling a region now
+_BUSY_LOCK = threading.Lock()
+
+
+@contextmanager
+def _busy() -> Iterator[None]:
+    with _BUSY_LOCK:
+        _BUSY[0] += 1
+    try:
+        yield
+    finally:
+        with _BUSY_LOCK:
+            _BUSY[0] -= 1
+
+
+def compiling() -> bool:
+    """Whether a thread of this process is tracing or compiling a region: the local
+    executor's waits do not count that time against the timeout (a first step compiles)."""
+    return _BUSY[0] > 0
+
+
 class _Compiled:
     """One graph and its compiled form: the first call compiles (timed into the stats); if
     compiling fails the graph runs as it is from then on, with a warning."""
@@ -87,7 +109,7 @@ class _Compiled:
         run = self.run
         if run is not None:
             return run(*args)
-        with self.lock:
+        with self.lock, _busy():
             if self.run is None:
                 start = time.perf_counter()
                 try:
@@ -300,7 +322,7 @@ class RegionRunner:
                 with self.stats.lock:
                     self.stats.reused += 1
             return art
-        with _TRACING:
+        with _TRACING, _busy():
             art = _ARTEFACTS.get(key)
             if art is None:
                 if len(self.signatures) >= _MAX_SIGNATURES:

@@ -243,11 +243,12 @@ def test_compiled_equals_eager_pipeline(setting: str) -> None:
 
 @pytest.mark.slow
 def test_new_shapes_and_forward_only() -> None:
-    """A batch of another length compiles its shapes; forward only (no grad) runs
-    the compiled forward too; both equal the unsplit model."""
+    """A batch of another length compiles its shapes, in a step whose timeout (1 s) is
+    shorter than the tracing: time spent compiling is not a stuck stage. Forward only (no
+    grad) runs the compiled forward too; both equal the unsplit model."""
     model = make_model()
     ref = copy.deepcopy(model)
-    pipe = _compiled(model, "1f1b")
+    pipe = _compiled(model, "1f1b", timeout=1.0)
     torch.manual_seed(2)
     x, y = torch.randint(0, 32, (8, 5)), torch.randint(0, 32, (8, 5))
     check_step(pipe, model, ref, x, y, atol=ATOL)
