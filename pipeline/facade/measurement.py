@@ -167,7 +167,7 @@ class MeasuredSteps:
                 f"rank 0 takes before the model is split; balance={planner.balance!r} skips "
                 "them: build the Pipeline with rebalance=True or balance='profile'"
             )
-        if shard is not None:
+        if shard == "full":
             raise ValueError(
                 f"{what} under torch.distributed with shard={shard!r} is not supported yet; "
                 "re-plan without sharding, or pass the plan it reports (balance=[...]) or "

@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from partitioner import partition
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.moves import UnitMove, holders, plan_moves, total_bytes
+from pipeline.execution.distributed.zero_moves import ZeroView
 from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import stage_costs
 from pipeline.planning.decision import Decision
@@ -81,7 +83,10 @@ class Optimizers:
             self.known.append(weakref.ref(opt))
 
     def alive(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (r() for r in self.known) if o is not None]
+        """The known optimizers still in use, less ZeRO's inner ones (moved with theirs)."""
+        found = [o for o in (r() for r in self.known) if o is not None]
+        inner = {id(o.optim) for o in found if isinstance(o, ZeroRedundancyOptimizer)}
+        return [o for o in found if id(o) not in inner]
 
 
 @dataclass(frozen=True)
@@ -190,11 +195,21 @@ class DistributedReplan:
         moves = plan_moves(holders(planned.model, planned.modules, planned.schedule.placement),
                            holders(new.model, new.modules, new.schedule.placement),
                            self.ctx.layout.pp_rank)
-        mover = UnitMove(self.ctx, planned.model, moves, self.optimizers.alive())
+        optimizers = self.optimizers.alive()
+        zeros = [ZeroView(o, self.ctx) for o in optimizers
+                 if isinstance(o, ZeroRedundancyOptimizer)]
+        views = iter(zeros)
+        mover = UnitMove(self.ctx, planned.model, moves,
+                         [next(views) if isinstance(o, ZeroRedundancyOptimizer) else o
+                          for o in optimizers])
         with self.ctx.guard("move of the re-balanced units"):
+            for zero in zeros:
+                zero.gather()
             staged = mover.receive()
             mover.agree_received()
         mover.commit(staged)  # every process has what it needs: no failure leaves a mix
+        for zero in zeros:
+            zero.rebuild()
         adopt(new)
         self.last_move = MoveReport(time.perf_counter() - start, total_bytes(staged.values()),
                                     moves.moved)

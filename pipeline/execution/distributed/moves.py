@@ -18,13 +18,20 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline.execution.distributed.context import DistContext
+
+
+class OptimizerLike(Protocol):
+    """What a move reads and updates of an optimizer: its param groups and its state."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
 
 
 def holders(
@@ -87,7 +94,7 @@ def _spec(t: Tensor) -> list[Any]:
     return [list(t.shape), str(t.dtype), t.device.type == "cpu"]
 
 
-def _where(opt: torch.optim.Optimizer, p: Tensor) -> int:
+def _where(opt: OptimizerLike, p: Tensor) -> int:
     """The index of the param group holding `p` (-1: none)."""
     return next((g for g, group in enumerate(opt.param_groups)
                  if any(q is p for q in group["params"])), -1)
@@ -108,7 +115,7 @@ class UnitMove:
     of `optimizers` (the same optimizers, in the same order, on every process)."""
 
     def __init__(self, ctx: DistContext, model: nn.Module, moves: Moves,
-                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
+                 optimizers: Sequence[OptimizerLike]) -> None:
         self.ctx, self.moves, self.optimizers = ctx, moves, list(optimizers)
         self.tensors = model_tensors(model)
         self.params = {id(p) for p in model.parameters()}
@@ -259,7 +266,7 @@ class UnitMove:
                         pg["params"] = [q for q in pg["params"] if q is not t]
 
     @staticmethod
-    def _arrive(opt: torch.optim.Optimizer, t: Tensor, group: int,
+    def _arrive(opt: OptimizerLike, t: Tensor, group: int,
                 state: dict[str, Any]) -> None:
         if group < 0:
             return

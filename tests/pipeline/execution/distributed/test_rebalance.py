@@ -46,12 +46,13 @@ def _slow_down(model: nn.Module, slow: bool) -> None:
 
 
 def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
-         resynthesize_at: int | None = None) -> tuple[Any, list[int]]:
+         shard: str | None = None, resynthesize_at: int | None = None) -> tuple[Any, list[int]]:
     """Adam on the pipeline and the unsplit model; losses compared at every step, weights at
     the end; the last pipeline rank is the slow one. `auto`: rebalance=True from a plan
     balanced by parameters, else pipe.rebalance() after the third step of a profiled plan
     (which the slow rank makes wrong). With `dp` replicas, each steps on its slice of the
-    batch and pipeline rank pp - 1 of every replica is slow. `resynthesize_at`: after that
+    batch and pipeline rank pp - 1 of every replica is slow; `shard`: the Pipeline's (its
+    optimizer made by pipe.optimizer after the first step). `resynthesize_at`: after that
     step, switch to a schedule synthesised from the measured costs (threshold -1: whatever
     it predicts).
     Returns the Pipeline and its first plan's sizes."""
@@ -64,10 +65,10 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
     model = _tied_model()
     _slow_down(model, dist.get_rank() % pp == pp - 1)
     pipe = Pipeline(model, stages=pp, data_parallel=dp, schedule=schedule, microbatches=4,
-                    loss_fn=lm_loss,
+                    loss_fn=lm_loss, shard=shard,
                     balance="parameters" if auto else "profile", capture_method="fx",
                     rebalance=auto)
-    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    opt = None if shard else torch.optim.Adam(pipe.parameters(), lr=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     first: list[int] = []
     for step in range(steps):
@@ -76,7 +77,7 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
         ref_opt.step()
-        opt.zero_grad()
+        pipe.zero_grad()
         d = dist.get_rank() // pp
         loss = pipe.step(replica_slice(x, d, dp), replica_slice(y, d, dp))
         first = first or pipe.plan.sizes
@@ -85,6 +86,7 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
         if step == resynthesize_at:
             assert pipe.resynthesize(threshold=-1.0).applied
             assert pipe.schedule.name == "synth", pipe.schedule
+        opt = opt or pipe.optimizer(torch.optim.Adam, lr=0.01)
         opt.step()
         torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=ATOL, rtol=0,
                                    msg=f"{schedule} pp={pp}: loss of step {step}")
@@ -112,10 +114,11 @@ def worker_adam_1f1b(out: Path) -> None:
 
 
 def worker_dp2(out: Path) -> None:
-    """pp=2 x dp=2, 1F1B, rebalance=True: every replica moves its own units (the slowest
-    replica's times count), gradients averaged over the replicas before and after."""
+    """pp=2 x dp=2, 1F1B, shard="optimizer" (ZeRO-1), rebalance=True: every replica moves its
+    own units (the slowest replica's times count); the Adam state, kept by each parameter's
+    owning replica, is gathered, moved and partitioned anew over the new parameters."""
     init_worker()
-    _run(2, "1f1b", auto=True, dp=2)
+    _run(2, "1f1b", auto=True, dp=2, shard="optimizer")
     print("worker dp2: every check ran", flush=True)
 
 
