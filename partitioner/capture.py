@@ -37,7 +37,6 @@ from partitioner.exported import (
 from partitioner.inputs import (
     call_structure,
     check_inputs,
-    check_mode,
     input_dims,
     mode_sensitive,
     modes,
@@ -62,7 +61,6 @@ __all__ = [
     "call_structure",
     "capture",
     "check_inputs",
-    "check_mode",
     "is_default_leaf",
     "nbytes",
 ]

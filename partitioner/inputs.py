@@ -1,6 +1,6 @@
 """Checks of the inputs a captured graph is run on: the call structure a batch stands for,
-whether a batch's shapes fit the dims torch.export made static or dynamic, and whether the
-train/eval mode the export baked in still holds."""
+whether a batch's shapes fit the dims torch.export made static or dynamic, and the train/eval
+modes an export bakes in (`modes`, `mode_sensitive`)."""
 
 from __future__ import annotations
 
@@ -37,28 +37,29 @@ def modes(model: nn.Module) -> tuple[bool, ...]:
 
 def mode_sensitive(gm: fx.GraphModule) -> bool:
     """Whether the exported graph holds ops whose train/eval behaviour it baked in: dropout
-    with p > 0, batch or instance norm."""
+    with p > 0 (also an attention's dropout_p), batch or instance norm."""
     for n in gm.graph.nodes:
         name = str(op_of(n.target))
         if "dropout" in name and not (len(n.args) > 1 and n.args[1] == 0):
             return True
         if "batch_norm" in name or "instance_norm" in name:
             return True
+        if _argument(n, "dropout_p"):  # attention dropout (scaled_dot_product_attention)
+            return True
     return False
 
 
-def check_mode(captured: Captured) -> None:
-    """ValueError when the model's train/eval mode changed since an export capture that baked
-    it in (dropout, BatchNorm), instead of silently running the old mode."""
-    baked, model = captured.training, captured.model
-    if baked is not None and modes(model) != baked:
-        was = "train" if baked[0] else "eval"
-        raise ValueError(
-            f"{type(model).__name__} was captured in {was} mode and torch.export baked that "
-            f"mode into its dropout/normalisation ops, but its modules' modes changed since; "
-            f"build a Pipeline for each mode (e.g. one after model.eval()), or pass "
-            f"capture_method='fx'"
-        )
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of the argument `name` of an op node (by its schema), or None."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else None
+    return None
 
 
 def input_dims(gm: fx.GraphModule) -> list[tuple[Any, ...] | None]:

@@ -31,6 +31,7 @@ from pipeline.execution.timeouts import resolve_timeout
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
+from pipeline.facade.modes import Modes
 from pipeline.facade.running import (
     CallGuard,
     check_grad_accumulation,
@@ -45,7 +46,7 @@ from pipeline.planning.autoplan import AutoPlan
 from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import StageCosts
 from pipeline.planning.decision import Decision
-from pipeline.planning.microbatch import Batch
+from pipeline.planning.microbatch import Batch, Microbatches
 from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule, Timeline
 
@@ -158,6 +159,7 @@ class Pipeline:
         self._executor.compile = compile_options(compile)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
+        self._modes = Modes(model)  # before any plan: it needs every tensor's shape
         self._setup = Setup.agreed(
             model, self._executor, self._load, self.stages, schedule=schedule,
             microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
@@ -211,7 +213,7 @@ class Pipeline:
                 "building the Pipeline, or call pipe(x) for forward only"
             )
         start = time.perf_counter()
-        inputs = self._setup.inputs(x, whole=True)
+        inputs = self._inputs(x, whole=True)
         with self._executor.precision.calling("Pipeline.step", self._device_types):
             result = run_step(self._executor, self.parameters(), inputs, y,
                               in_place=self.grad_accumulation == "in_place")
@@ -222,6 +224,14 @@ class Pipeline:
                                  result.loss,
                                  result.trace, time.perf_counter() - start)
         return result.loss
+
+    def _inputs(self, x: Batch | None, *, whole: bool) -> Microbatches | None:
+        """`x` split into microbatches (planning first on the first batch; `Setup.inputs`),
+        with the held stages running the modes the model's modules are in now
+        (pipeline.facade.modes)."""
+        inputs = self._setup.inputs(x, whole=whole)
+        self._modes.follow(self._setup, self._executor)
+        return inputs
 
     @property
     def metrics(self) -> StepMetrics | None:
@@ -247,7 +257,7 @@ class Pipeline:
         ``torch.no_grad()`` no graph is kept; otherwise the output stays connected to the
         parameters (a backward through it runs unpipelined)."""
         with self._executor.precision.calling("Pipeline.forward", self._device_types):
-            return self._executor.forward(self._setup.inputs(x, whole=False))
+            return self._executor.forward(self._inputs(x, whole=False))
 
     __call__ = forward
 
@@ -272,7 +282,7 @@ class Pipeline:
         devices = [d for d in self.devices if d.type == "cuda"]
         with self._executor.precision.calling("Pipeline.evaluate", self._device_types), \
                 torch.random.fork_rng(devices=devices):
-            loss, outputs = self._executor.evaluate(self._setup.inputs(x, whole=False), y)
+            loss, outputs = self._executor.evaluate(self._inputs(x, whole=False), y)
         if not return_outputs:
             return loss
         return loss, None if outputs is None else merge_outputs(outputs)

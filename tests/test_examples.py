@@ -1,5 +1,6 @@
-"""The examples run, at tiny sizes: the Llama-style model built on meta under torchrun (bf16,
-shard="full") checkpoints and resumes at another world size."""
+"""The examples run, at tiny sizes: GPT-2 fine-tuning with validation passes (one process), a
+ResNet with BatchNorm trained and evaluated (one process), and the Llama-style model built on
+meta under torchrun (bf16, shard="full") checkpointing and resuming at another world size."""
 
 from __future__ import annotations
 
@@ -12,6 +13,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--seq", "16", "--dim", "32", "--layers", "2", "--batch", "2"]
+
+
+def _run(script: str, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_gpt2_finetuning_example_validates() -> None:
+    out = _run("finetune_gpt2.py", "--steps", "4", "--eval-every", "2", "--eval-batches", "1",
+               "--log-every", "2", "--batch", "4", "--seq", "16", "--layers", "2", "--dim", "32")
+    assert out.count("validation loss") == 2 and "hybridpipe: step 4 | loss" in out
+
+
+@pytest.mark.slow
+def test_vision_example_trains_and_evaluates() -> None:
+    out = _run("train_vision.py", "--steps", "2", "--eval-every", "1", "--batch", "8",
+               "--size", "16")
+    assert out.count("accuracy") == 2
 
 
 def _torchrun(nproc: int, script: str, *args: str, cwd: Path) -> str:

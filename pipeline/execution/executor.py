@@ -23,6 +23,7 @@ from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
+from pipeline.execution.stage_code import StageCode, adopt
 from pipeline.execution.stage_io import weighted_loss
 from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
@@ -144,6 +145,15 @@ class Executor(ABC):
     @abstractmethod
     def _runtimes(self) -> list[RankRuntime]:
         """The rank runtimes this process runs (none before `load`)."""
+
+    def adopt_code(self, codes: Sequence[StageCode]) -> None:
+        """Run the held stages with `codes` (one per stage, in stage order; e.g. captured in
+        the other train/eval mode): the same modules, parameters and buffers, other code."""
+        held = self.held()
+        for s, module in held.items():
+            adopt(module, codes[s], self.devices[self._schedule.placement[s]])
+        for runtime in self._runtimes():  # a compiled stage is compiled from the new code
+            runtime.restage({s: self.runnable(held[s]) for s in runtime.stages})
 
     @abstractmethod
     def held(self) -> dict[int, StageModule]:

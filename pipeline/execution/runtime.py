@@ -130,18 +130,10 @@ class RankRuntime:
         self.on_stage_done = on_stage_done
         self.abort = abort
         self.last_stage = schedule.num_stages - 1
-        policies = activations or {}
-        # How each stage runs in a training forward (precision, then activation policy).
-        self._runs = {
-            s: stage_run(m, device=self.device, precision=self.precision,
-                         policy=policies.get(s, "none"),
-                         restoring=partial(self._recomputing, m))
-            for s, m in self.stages.items()
-        }
-        self._recomputes = {s for s in self.stages if recomputes(policies.get(s, "none"))}
+        self._policies = dict(activations or {})
+        self.restage()
         self.program = compile_program(schedule, rank)
         self._forward_programs: dict[int, Program] = {}
-        self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
         self._leaves: dict[int, StepLeaves] = {}  # this training step's leaves per stage
         self._state = StepState()  # empty between steps (checked at the end of each)
         state = self._state  # its buffers, cleared in place after every step:
@@ -220,6 +212,22 @@ class RankRuntime:
             return self._state.result
         finally:
             self._end()
+
+    def restage(self, stages: Mapping[int, nn.Module] | None = None) -> None:
+        """(Re)build how each stage module is run; after its code changed (the other
+        train/eval mode; pipeline.execution.stage_code), with what now runs each stage."""
+        if stages is not None:
+            self.stages = dict(stages)
+        policies = self._policies
+        # How each stage runs in a training forward (precision, then activation policy).
+        self._runs = {
+            s: stage_run(m, device=self.device, precision=self.precision,
+                         policy=policies.get(s, "none"),
+                         restoring=partial(self._recomputing, m))
+            for s, m in self.stages.items()
+        }
+        self._recomputes = {s for s in self.stages if recomputes(policies.get(s, "none"))}
+        self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
 
     # -- the interpreter loop ------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from partitioner.capture import call_structure, check_inputs, check_mode
+from partitioner.capture import call_structure, check_inputs
 from partitioner.exported import flat_inputs
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import job_agreement, process_device
@@ -167,12 +167,11 @@ class Setup:
 
     def check(self, args: tuple[Any, ...], split: Microbatches) -> None:
         """Fail before any tensor moves when a batch cannot run on the captured graph (a
-        static dim changed that the model fixes, or the train/eval mode an export baked in);
-        capture again, with that dim dynamic, when a batch changes a dim the capture made
-        static but the model does not fix (pipeline.planning.shapes). A batch of shapes
-        already checked is not checked again (the check costs ~0.2 ms per microbatch)."""
+        static dim changed that the model fixes); capture again, with that dim dynamic, when a
+        batch changes a dim the capture made static but the model does not fix
+        (pipeline.planning.shapes). A batch of shapes already checked is not checked again
+        (the check costs ~0.2 ms per microbatch)."""
         decision = self.require_plan()
-        check_mode(decision.captured)
         shapes = (id(decision), split.count, tuple(
             (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t) for t in args
         ))

@@ -44,6 +44,8 @@ FIXES: dict[str, str] = {
     "data pipeline and collate function everywhere)",
     "model parameters": "build the same model (same code and config) on every process",
     "shard": "pass the same shard=... (None, 'optimizer' or 'full') on every process",
+    "train/eval mode": "call pipe.train() / pipe.eval() (or model.train() / model.eval()) at the "
+    "same point of the loop on every process",
 }
 
 
@@ -123,6 +125,15 @@ def _structure(value: object) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in value.items()) + "}"
     return type(value).__name__
+
+
+def mode_setting(model: nn.Module) -> Setting:
+    """The train/eval mode of every module (the modules in train mode listed by name)."""
+    training = [name or "(the model)" for name, m in model.named_modules() if m.training]
+    count = sum(1 for _ in model.modules())
+    text = ("train" if len(training) == count else "eval" if not training
+            else f"{len(training)} of {count} modules in train mode")
+    return Setting(text, tuple(training))
 
 
 def input_settings(args: tuple[Any, ...] | None) -> dict[str, Setting | None]:

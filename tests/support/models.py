@@ -36,3 +36,48 @@ def token_batch(step: int, rows: int = 8, *, seq: int = SEQ, vocab: int = VOCAB,
 def global_batch(step: int, rows: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of step `step` over all replicas (replica d takes its slice of `rows`)."""
     return token_batch(step, rows, seq=seq, seed=1000)
+
+
+class BNNet(nn.Module):
+    """BatchNorm and dropout between linear layers, with residuals (not an nn.Sequential, so
+    torch.export captures it and bakes the train/eval mode into its ops)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(dropout), nn.Linear(8, 8))
+            for _ in range(3)
+        )
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+def bn_model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return BNNet(dropout).double()
+
+
+def bn_batch(seed: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 inputs for `bn_model` and class targets, drawn by `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 4, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (rows,), generator=g))
+
+
+def microbatched_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int,
+                      backward: bool) -> torch.Tensor:
+    """The unsplit model on a pipeline's `m` microbatches: the sum of loss_m * n_m / n (with
+    each microbatch's backward when asked), as `Pipeline.step` computes it."""
+    total = torch.zeros((), dtype=torch.float64)
+    for xm, ym in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+        loss = F.cross_entropy(model(xm), ym) * len(xm) / len(x)
+        if backward:
+            loss.backward()
+        total += loss.detach()
+    return total

@@ -7,6 +7,7 @@ weights; an evaluation leaves .grad, the RNG and BatchNorm statistics (eval mode
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -15,33 +16,8 @@ from torch.nn import functional as F
 
 from pipeline.api import Pipeline
 from scheduler import SCHEDULES
-
-
-def bn_model(dropout: float = 0.0) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(dropout),
-        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(),
-        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3),
-    ).double()
-
-
-def batch(seed: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, 4, generator=g, dtype=torch.float64),
-            torch.randint(0, 3, (rows,), generator=g))
-
-
-def reference_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int,
-                   backward: bool) -> torch.Tensor:
-    """The unsplit model on the pipeline's microbatches: sum of loss_m * n_m / n."""
-    total = torch.zeros((), dtype=torch.float64)
-    for xm, ym in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
-        loss = F.cross_entropy(model(xm), ym) * len(xm) / len(x)
-        if backward:
-            loss.backward()
-        total += loss.detach()
-    return total
+from tests.support.models import bn_batch as batch
+from tests.support.models import bn_model, lm_loss, microbatched_loss, token_batch
 
 
 def assert_same_state(model: nn.Module, ref: nn.Module) -> None:
@@ -56,7 +32,7 @@ def train_and_evaluate(pipe: Pipeline, model: nn.Module, ref: nn.Module, m: int,
     for k in range(steps):
         x, y = batch(k)
         loss = pipe.step(x, y)
-        expected = reference_loss(ref, x, y, m, backward=True)
+        expected = microbatched_loss(ref, x, y, m, backward=True)
         torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
         opt.step()
         ref_opt.step()
@@ -78,15 +54,22 @@ def train_and_evaluate(pipe: Pipeline, model: nn.Module, ref: nn.Module, m: int,
 def test_interleaved_training_and_evaluation_equal_the_unsplit_model(schedule: str) -> None:
     model = bn_model()
     ref = copy.deepcopy(model)
-    pipe = Pipeline(model, stages=2, schedule=schedule, microbatches=4, loss_fn=F.cross_entropy,
+    pipe = Pipeline(model, stages=2, schedule=schedule, microbatches=4, loss_fn=F.cross_entropy)
+    train_and_evaluate(pipe, model, ref, m=4)
+    assert pipe.captured.method == "export" and pipe.captured.training is not None
+
+
+def test_fx_capture_follows_the_modes_as_it_runs() -> None:
+    model = bn_model()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, stages=2, microbatches=4, loss_fn=F.cross_entropy,
                     capture_method="fx")
     train_and_evaluate(pipe, model, ref, m=4)
 
 
 def test_evaluate_after_training_with_dropout_equals_unsplit_eval() -> None:
     model = bn_model(dropout=0.3)
-    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=F.cross_entropy,
-                    capture_method="fx")
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for k in range(3):
         pipe.step(*batch(k))
@@ -102,8 +85,7 @@ def test_evaluate_after_training_with_dropout_equals_unsplit_eval() -> None:
 
 def test_evaluate_leaves_grads_rng_and_statistics_alone() -> None:
     model = bn_model(dropout=0.3)
-    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=F.cross_entropy,
-                    capture_method="fx")
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=F.cross_entropy)
     pipe.step(*batch(0))
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     pipe.eval()
@@ -122,6 +104,76 @@ def test_evaluate_leaves_grads_rng_and_statistics_alone() -> None:
 
 
 def test_evaluate_needs_a_loss() -> None:
-    pipe = Pipeline(bn_model(), stages=2, capture_method="fx")
+    pipe = Pipeline(bn_model(), stages=2)
     with pytest.raises(ValueError, match="evaluate needs a loss"):
         pipe.evaluate(*batch(0))
+
+
+def test_each_mode_is_captured_once_over_the_same_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipeline.facade import modes
+
+    captures: list[int] = []
+    original = modes.stages_in_mode
+    monkeypatch.setattr(modes, "stages_in_mode",
+                        lambda *a, **k: captures.append(1) or original(*a, **k))
+    model = bn_model(dropout=0.3)
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=F.cross_entropy)
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    for _ in range(2):
+        pipe.step(*batch(0))
+        model.eval()  # the model's own switch works as pipe.eval() does
+        pipe(batch(1)[0])
+        model.train()
+    assert len(captures) == 1
+    held = {id(t) for m in pipe.stage_modules for t in (*m.parameters(), *m.buffers())}
+    assert held <= own  # no second copy of any weight
+
+
+def _dropout_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=48, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)  # dropout 0.1 everywhere (defaults)
+    return GPT2LMHeadModel(config).double()
+
+
+def _dropout_llama_on_meta() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=16, attention_dropout=0.1, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).double()
+
+
+@pytest.mark.parametrize("build", [_dropout_gpt2, _dropout_llama_on_meta])
+def test_real_models_evaluate_as_their_eval_after_training(build: Any) -> None:
+    model = build()
+    meta = any(p.is_meta for p in model.parameters())
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=lm_loss,
+                    init_fn="reset_parameters" if meta else None)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = token_batch(step, rows=4, seq=8, vocab=48)
+        pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    x, y = token_batch(9, rows=4, seq=8, vocab=48)
+    pipe.eval()
+    loss = pipe.evaluate(x, y)
+    with torch.no_grad():  # one process holds the whole model: run it unsplit
+        expected = lm_loss(model.eval()(x), y)
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+
+
+def test_compiled_stages_switch_modes_too() -> None:
+    model = bn_model()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, stages=2, microbatches=4, loss_fn=F.cross_entropy,
+                    compile={"backend": "eager"})
+    train_and_evaluate(pipe, model, ref, m=4, steps=2)
