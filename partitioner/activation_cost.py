@@ -5,10 +5,14 @@ written onto the graph's units, so a stage's price under any partition is a sum 
 - ``kept_none`` / ``kept_full`` / ``kept_selective``: bytes the block keeps for its backward
   per microbatch under "none", "full" (its inputs) and "selective" (its inputs and the
   outputs of the saved ops), counted with `saved_bytes.SavedBytes` as the runtime does;
-- ``forward_selective`` / ``replay_selective``: the time of a "selective" forward (which
-  caches the saved ops' outputs) and of its recomputation, over that of a plain forward
-  (timed over the whole model: one block is too short to time on a busy machine; a "full"
-  recomputation is one forward);
+  with ``_later``, the same in a stage after the first, whose runtime makes every float
+  input need grad (a rotary table received from the stage before, say). A value an earlier
+  block read too counts with that block only; ``shared_reads`` names such values and their
+  bytes, which a later stage receives, and keeps, once;
+- ``added_full`` / ``added_selective``: the time a forward and backward under "full" and
+  "selective" take beyond a plain one (recomputation, and the checkpoint and op-caching
+  machinery), over the plain one's; timed block by block, each the fastest of a few trials,
+  and summed over the whole model (one block is too short to time on a busy machine);
 - ``offload_time``: seconds to move the "none" bytes to host memory one way (at the copy
   bandwidth measured on the block's device; pinned host memory on CUDA); None on a CPU
   device, where "offload" moves nothing.
@@ -21,11 +25,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
-from torch import fx
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from partitioner.blocks import BlockChain, block_key
@@ -33,24 +36,45 @@ from partitioner.captured import Captured
 from partitioner.sandbox import sandbox
 from partitioner.saved_bytes import SavedBytes
 
-_TRIALS = 5
+_TRIALS = 3
 
 
-def _leaves(values: Sequence[Any]) -> list[Any]:
-    """Fresh inputs for one measurement: float tensors as the outputs of an earlier block
-    (needing grad, not leaves: a block's inputs are kept, a parameter is not), the rest as
-    they are."""
+def _leaves(values: Sequence[Any], every_float: bool = False) -> list[Any]:
+    """Fresh inputs for one measurement: a tensor that needs grad (marked so in `values`, or
+    any float one with `every_float`) as the output of an earlier block (not a leaf: a
+    block's inputs are kept, a parameter is not); the rest as they are (a rotary table
+    computed from buffers needs none, so the ops using it save less)."""
     return [v.detach().requires_grad_().clone()
-            if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values]
+            if isinstance(v, torch.Tensor) and (v.requires_grad or every_float
+                                                and v.is_floating_point()) else v
+            for v in values]
 
 
-def _kept(run: Callable[..., Any], values: Sequence[Any]) -> float:
+def _marked(value: Any) -> Any:
+    """A block's output as the next block's input value: detached, marked as needing grad
+    when it did."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+def _kept(run: Callable[..., Any], values: Sequence[Any], every_float: bool,
+          shared: Sequence[bool]) -> float:
+    """Bytes `run` keeps for its backward, not counting the inputs marked `shared` (read by an
+    earlier block too: a stage keeps such a value once, e.g. a rotary table)."""
     meter = SavedBytes()
+    args = _leaves(values, every_float)
+    meter.ignore([a for a, s in zip(args, shared, strict=True)
+                  if s and isinstance(a, torch.Tensor)])
     with torch.enable_grad(), meter.counting():
-        out = run(*_leaves(values))
+        out = run(*args)
     held = meter.held
     del out
     return float(held)
+
+
+def _nbytes(t: torch.Tensor) -> float:
+    return float(t.numel() * t.element_size())
 
 
 def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
@@ -63,25 +87,16 @@ def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _selective_times(block: fx.GraphModule, values: Sequence[Any], save: list[Any],
-                     device: torch.device) -> tuple[float, float, float]:
-    """Seconds of the block's plain forward, of its forward keeping the saved ops' outputs,
-    and of the replay of the other ops: each the fastest of a few trials (a busy machine only
-    adds delays)."""
-    plain = kept = replayed = float("inf")
-    with torch.enable_grad():
-        for _ in range(_TRIALS):
-            plain = min(plain, _seconds(partial(block, *_leaves(values)), device))
-            keep, replay = create_selective_checkpoint_contexts(save)
-            args = _leaves(values)
-            kept = min(kept, _seconds(partial(_under, keep, block, args), device))
-            replayed = min(replayed, _seconds(partial(_under, replay, block, args), device))
-    return plain, kept, replayed
-
-
-def _under(context: Any, block: fx.GraphModule, args: list[Any]) -> None:
-    with context:
-        block(*args)
+def _step_seconds(run: Callable[..., Any], values: Sequence[Any],
+                  device: torch.device) -> float:
+    """Seconds of a forward and backward of `run` (from every float output it returns)."""
+    def step() -> None:
+        with torch.enable_grad():
+            outs = [o for o in tree_leaves(run(*_leaves(values)))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return _seconds(step, device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
@@ -106,32 +121,52 @@ def price_policies(
     save = list(save_ops)
     bandwidth = copy_bandwidth(device) if device.type != "cpu" else None
     for name in order:
-        graph.nodes[name].update(kept_none=0.0, kept_full=0.0, kept_selective=0.0,
-                                 offload_time=None if bandwidth is None else 0.0)
+        graph.nodes[name].update(
+            {f"kept_{p}{suffix}": 0.0 for p in ("none", "full", "selective")
+             for suffix in ("", "_later")},
+            offload_time=None if bandwidth is None else 0.0)
     values = dict(zip((n.name for n in chain.placeholders), example_inputs, strict=False))
-    times = [0.0, 0.0, 0.0]
+    read: set[str] = set()  # values read by a block already
+    times = dict.fromkeys(("none", "full", "selective"), 0.0)
     with sandbox(model):
         for block in chain.blocks:
             module = block.module
             args = [values[n] for n in block.inputs]
-            none = _kept(module, args)
-            full = _kept(lambda *a, m=module: checkpoint(m, *a, use_reentrant=False), args)
-            selective = _kept(lambda *a, m=module: checkpoint(
-                m, *a, use_reentrant=False, respect_saved_tensors_hooks=True,
-                context_fn=lambda: create_selective_checkpoint_contexts(save)), args)
+            runs: dict[str, Callable[..., Any]] = {
+                "none": module,
+                "full": lambda *a, m=module: checkpoint(m, *a, use_reentrant=False),
+                "selective": lambda *a, m=module: checkpoint(
+                    m, *a, use_reentrant=False, respect_saved_tensors_hooks=True,
+                    context_fn=lambda: create_selective_checkpoint_contexts(save)),
+            }
+            shared = [n in read for n in block.inputs]
+            read.update(block.inputs)
+            kept = {f"kept_{p}{suffix}": _kept(run, args, every_float, shared)
+                    for p, run in runs.items()
+                    for suffix, every_float in (("", False), ("_later", True))}
             first = next((n.name for n in module.graph.nodes
                           if n.name in unit_of and block_key(n) is not None),
                          next(n.name for n in module.graph.nodes if n.name in unit_of))
-            graph.nodes[order[unit_of[first]]].update(
-                kept_none=none, kept_full=full, kept_selective=selective,
-                offload_time=None if bandwidth is None else none / bandwidth,
+            unit = graph.nodes[order[unit_of[first]]]
+            unit.update(
+                **kept, offload_time=None if bandwidth is None else kept["kept_none"] / bandwidth,
+                shared_reads={**unit.get("shared_reads", {}), **{
+                    n: _nbytes(values[n]) for n, s in zip(block.inputs, shared, strict=True)
+                    if s and isinstance(values[n], torch.Tensor)}},
             )
-            times = [t + u for t, u in zip(times, _selective_times(module, args, save, device),
-                                           strict=True)]
+            fastest = dict.fromkeys(runs, float("inf"))
+            for _ in range(_TRIALS):  # interleaved: a busy spell slows every policy alike
+                for p, run in runs.items():
+                    fastest[p] = min(fastest[p], _step_seconds(run, args, device))
+            for p, t in fastest.items():
+                times[p] += t
             if block is not chain.blocks[-1]:
-                with torch.no_grad():
-                    values.update(zip(block.outputs, module(*args), strict=True))
+                with torch.enable_grad():
+                    outputs = module(*_leaves(args))
+                values.update(zip(block.outputs, map(_marked, outputs), strict=True))
     # The ratios over the whole model: one block's few milliseconds are too noisy to time.
-    forward, replay = (times[1] / times[0], times[2] / times[0]) if times[0] > 0 else (1.0, 1.0)
+    plain = times["none"]
+    added = {p: max(0.0, times[p] / plain - 1.0) if plain > 0 else 1.0
+             for p in ("full", "selective")}
     for name in order:
-        graph.nodes[name].update(forward_selective=forward, replay_selective=replay)
+        graph.nodes[name].update(added_full=added["full"], added_selective=added["selective"])

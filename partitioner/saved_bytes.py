@@ -9,7 +9,7 @@ as nothing stays on the device."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,6 +37,15 @@ class SavedBytes:
         self._count: dict[tuple[Any, ...], tuple[int, int]] = {}  # storage -> (holders, bytes)
         self.held = 0
         self.peak = 0
+
+    def ignore(self, tensors: Sequence[Tensor]) -> None:
+        """Take the storages of `tensors` as counted elsewhere: saving them adds nothing."""
+        with self._lock:
+            for t in tensors:
+                storage = t.untyped_storage()
+                key = (t.device, storage.data_ptr(), storage.nbytes())
+                holders, size = self._count.get(key, (0, storage.nbytes()))
+                self._count[key] = (holders + 1, size)
 
     def reset(self) -> None:
         """Start a new peak from what is held now."""

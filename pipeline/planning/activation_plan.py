@@ -5,9 +5,10 @@ held activations, at the peak the schedule's action order makes) under the memor
 
 Prices come from the units' measurements (partitioner.activation_cost) summed over a stage:
 - "none": keeps ``kept_none`` bytes per microbatch, adds nothing;
-- "full": keeps ``kept_full`` (block inputs), adds one forward to B (the recomputation);
-- "selective": keeps ``kept_selective``, its forward costs ``forward_selective`` forwards
-  (caching the saved ops' outputs) and B adds ``replay_selective`` forwards;
+- "full": keeps ``kept_full`` (block inputs), adds ``added_full`` x (F + B) to B (the
+  recomputation and the checkpoint's own work, measured);
+- "selective": keeps ``kept_selective``, adds ``added_selective`` x (F + B) to B (the
+  partial recomputation and the caching of the saved ops' outputs, measured);
 - "offload": keeps nothing on the device, adds the copy out to F and the copy back to B
   (``offload_time`` each way); on a CPU device (no ``offload_time``) it is "none".
 A recomputing stage of a split-backward schedule takes its weight grads in B (W is empty), as
@@ -55,25 +56,31 @@ def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
     def total(stage: Sequence[str], key: str) -> float:
         return float(sum(nodes[v][key] for v in stage))
 
-    def scaled_forward(stage: Sequence[str], key: str, minus: float = 0.0) -> float:
-        return float(sum(nodes[v]["forward_time"] * (nodes[v][key] - minus) for v in stage))
+    def shared(stage: Sequence[str]) -> float:  # values several blocks read: once a stage
+        reads: dict[str, float] = {}
+        for v in stage:
+            reads.update(nodes[v].get("shared_reads", {}))
+        return float(sum(reads.values()))
 
-    forward_time = [total(s, "forward_time") for s in stages]
+    def kept(policy: str) -> list[float]:  # every float input of a later stage needs grad
+        return [total(s, f"kept_{policy}") if k == 0
+                else total(s, f"kept_{policy}_later") + shared(s)
+                for k, s in enumerate(stages)]
+
+    def added(stage: Sequence[str], key: str) -> float:
+        return float(sum((nodes[v]["forward_time"] + nodes[v].get("backward_time", 0.0))
+                         * nodes[v][key] for v in stage))
+
     zero = [0.0] * len(stages)
     on_host = all(nodes[v]["offload_time"] is None for v in units)  # a CPU device
     offload = zero if on_host else [total(s, "offload_time") for s in stages]
-    kept_none = [total(s, "kept_none") for s in stages]
+    kept_none = kept(NONE)
     return PolicyPrices(
-        kept={NONE: kept_none,
-              FULL: [total(s, "kept_full") for s in stages],
-              SELECTIVE: [total(s, "kept_selective") for s in stages],
+        kept={NONE: kept_none, FULL: kept(FULL), SELECTIVE: kept(SELECTIVE),
               OFFLOAD: list(kept_none) if on_host else list(zero)},
-        forward={NONE: list(zero), FULL: list(zero),
-                 SELECTIVE: [max(0.0, scaled_forward(s, "forward_selective", 1.0))
-                             for s in stages],
-                 OFFLOAD: offload},
-        backward={NONE: list(zero), FULL: forward_time,
-                  SELECTIVE: [scaled_forward(s, "replay_selective") for s in stages],
+        forward={NONE: list(zero), FULL: list(zero), SELECTIVE: list(zero), OFFLOAD: offload},
+        backward={NONE: list(zero), FULL: [added(s, "added_full") for s in stages],
+                  SELECTIVE: [added(s, "added_selective") for s in stages],
                   OFFLOAD: offload},
     )
 

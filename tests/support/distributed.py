@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,18 +108,19 @@ def replica_slice(t: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
 class Checker:
     """Compares a distributed Pipeline with the single-process model, step by step."""
 
-    def __init__(self, pp: int, schedule: str) -> None:
+    def __init__(self, pp: int, schedule: str, **options: Any) -> None:
         from pipeline import Pipeline
 
         self.ref = make_model()
         # fx capture (0.1 s, export ~2 s a process): these check the executor, whose stages are
         # the same either way; test_distributed_real.py runs every schedule on export.
         self.pipe = Pipeline(make_model(), stages=pp, schedule=schedule, microbatches=4,
-                             loss_fn=lm_loss, balance="parameters", capture_method="fx")
+                             loss_fn=lm_loss, balance="parameters", capture_method="fx",
+                             **options)
         self.ctx = self.pipe.distributed
         assert self.ctx is not None
         self.dp, self.d = self.ctx.layout.data_parallel, self.ctx.layout.dp_rank
-        self.label = f"pp={pp} dp={self.dp} {schedule}"
+        self.label = f"pp={pp} dp={self.dp} {schedule} {options or ''}"
 
     def step_and_compare(self, step: int, rows: int | None = None, seq: int = SEQ) -> float:
         from pipeline.checkpoint import gather_named

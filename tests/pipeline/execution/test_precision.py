@@ -71,14 +71,20 @@ def test_every_schedule_equals_unsplit_autocast(dtype: torch.dtype, memo: None) 
         assert_equal_run(pipe, model, loss, want, fp32, f"{dtype} {schedule}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b"])
-def test_activation_checkpointing_recomputes_under_autocast(schedule: str, memo: None) -> None:
+@pytest.mark.parametrize(("schedule", "policy"), [
+    ("1f1b", True), ("zb-h1", "selective"),
+    ("interleaved-1f1b", ["full", "selective", "offload", "none"])])
+def test_activation_checkpointing_recomputes_under_autocast(
+    schedule: str, policy: object, memo: None
+) -> None:
+    """Every activation policy (one per stage on the interleaved schedule) recomputes under
+    the autocast its forward ran in."""
     model = res_model()
     x, y = float_batch()
     fp32 = reference(model, x, y, None)[1]
     pipe = Pipeline(model, stages=2, schedule=schedule, microbatches=M, loss_fn=mse,
                     balance="uniform", mixed_precision=torch.bfloat16,
-                    checkpoint_activations=True)
+                    checkpoint_activations=policy)
     loss = pipe.step(x, y)
     want = reference(model, x, y, torch.bfloat16)
     assert_equal_run(pipe, model, loss, want, fp32, f"checkpointed {schedule}")

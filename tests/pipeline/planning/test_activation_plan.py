@@ -6,6 +6,8 @@ counts; "auto" also joins the auto-plan search."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,7 @@ from torch import nn
 from pipeline import Pipeline
 from pipeline.planning.activation_plan import PolicyPrices, choose, peaks
 from pipeline.planning.costs import stage_costs
+from pipeline.planning.decision import with_activations_of
 from scheduler import build_schedule
 from tests.support.models import lm_loss, make_model, token_batch
 
@@ -88,6 +91,9 @@ def test_auto_fits_the_limit_exactly_and_as_predicted() -> None:
     measured = [meters[r].peak for r in range(2)]
     for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
         assert abs(m - p) <= 0.1 * m, f"rank {rank}: measured {m}, predicted {p}"
+    # A later partition (rebalance, re-capture) keeps the choice.
+    bare = dataclasses.replace(pipe.plan, activations=None, activation_peaks=None)
+    assert with_activations_of(bare, pipe.plan).activations == pipe.plan.activations
 
 
 def test_prices_of_a_transformer_block() -> None:

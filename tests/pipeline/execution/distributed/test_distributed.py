@@ -169,6 +169,12 @@ def worker_schedules(out: Path) -> None:
     init_worker()
     for schedule in sorted(SCHEDULES):
         Checker(2, schedule).train(10)
+    # Activation policies: recomputed and selective stages under a split backward, and the
+    # planner's per-stage choice agreed by every process.
+    Checker(2, "zb-h1", checkpoint_activations=["selective", "full"]).train(3)
+    auto = Checker(2, "1f1b", checkpoint_activations="auto", memory_limit=1e12)
+    auto.train(3)
+    assert auto.pipe.plan.activations == ["none", "none"]
     import pipeline.execution.distributed.gradsync
 
     # several gradient buckets per stage
