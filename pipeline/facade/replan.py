@@ -196,6 +196,12 @@ class DistributedReplan:
                            holders(new.model, new.modules, new.schedule.placement),
                            self.ctx.layout.pp_rank)
         optimizers = self.optimizers.alive()
+        if not optimizers:
+            log.warning(
+                "hybridpipe: re-balancing with no known optimizer on %s (none made by "
+                "pipe.optimizer(...), none over its parameters has stepped): an optimizer "
+                "built over pipe.parameters() before now misses the parameters that arrive; "
+                "build it after the re-balance", self.ctx.layout.describe())
         zeros = [ZeroView(o, self.ctx) for o in optimizers
                  if isinstance(o, ZeroRedundancyOptimizer)]
         views = iter(zeros)
