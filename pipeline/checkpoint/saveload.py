@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from pipeline.checkpoint.background import AsyncWriter
+from pipeline.checkpoint.checksums import ALGORITHM, mismatch, recorded, write_checksums
+from pipeline.checkpoint.checksums import FILE as CHECKSUMS
 from pipeline.checkpoint.extra import check_extra
 from pipeline.checkpoint.files import (
     _META,
@@ -109,6 +111,7 @@ def _state_to_save(
 def _go_live(root: Path, name: str, meta: dict[str, Any], keep: int) -> None:
     """(Global rank 0, every process's files written) write hybridpipe.pt, switch to it."""
     atomic_save(meta, root / name / _META)
+    write_checksums(root / name)
     _commit(root, name, keep)
 
 
@@ -157,7 +160,8 @@ def save_checkpoint(
                 if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
             )
             meta = {
-                "format": FORMAT, "version": VERSION, "spec": _spec_to_json(spec),
+                "format": FORMAT, "version": VERSION, "checksums": ALGORITHM,
+                "spec": _spec_to_json(spec),
                 "layout": layout, "optimizer": optimizer_info,
                 "values": {k: v for part in parts for k, v in part.items()}, "extra": extra,
             }
@@ -211,6 +215,14 @@ def read_checkpoint(
             f"saved version); give a directory written by save_checkpoint, or for a plain "
             "state dict file use pipe.load_state_dict(torch.load(path))"
         )
+    sums = recorded(root / live)
+    for name in (_META, ".metadata") if sums is not None else ():
+        reason = mismatch(root / live / name, sums)
+        if reason is not None:
+            raise ValueError(
+                f"{os.fspath(path)!r} is damaged: {str(root / live / name)!r}: {reason}. "
+                "Nothing was loaded; restore the file, or load an older version"
+            )
     try:
         meta = torch.load(root / live / _META, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -226,6 +238,11 @@ def read_checkpoint(
         raise ValueError(
             f"{os.fspath(path)!r} has checkpoint version {meta.get('version')}; this hybridpipe "
             f"reads version {VERSION}"
+        )
+    if meta.get("checksums") and sums is None:
+        raise ValueError(
+            f"{os.fspath(path)!r} version {live!r} lacks its {CHECKSUMS!r} (written with every "
+            "version): it was damaged; load an older version (save with keep= to retain some)"
         )
     return root / live, meta
 
@@ -267,41 +284,53 @@ def _failure(err: BaseException) -> str:
 
 def _read(version: Path, buffers: dict[str, Tensor], source: str) -> None:
     """Read `buffers` (DCP keys) from `version`. Reading needs no coordination: each process
-    reads its own keys (no_dist). A data file that is missing, short or unreadable is a
-    ValueError naming it (found by reading each file's keys on their own)."""
+    reads its own keys (no_dist). A data file that is missing, short, changed since it was
+    written (its CRC32C differs from the one in checksums.json: checked before reading) or
+    unreadable is a ValueError naming it."""
+    storage = FileSystemReader(version).read_metadata().storage_data
+    files: dict[str, dict[str, Tensor]] = {}
+    for index, info in storage.items():
+        if index.fqn in buffers:
+            files.setdefault(info.relative_path, {})[index.fqn] = buffers[index.fqn]
+    sums = recorded(version)
+    for name, part in sorted(files.items()):
+        need = max(i.offset + i.length for i in storage.values() if i.relative_path == name)
+        reason = _file_problem(version / name, need, sums)
+        if reason is not None:
+            raise _damaged(source, version / name, part, reason)
     try:
         with _single_process_quiet():
             dcp.load(buffers, storage_reader=FileSystemReader(version), no_dist=True)
         return
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         failure = err
-    storage = FileSystemReader(version).read_metadata().storage_data
-    files: dict[str, dict[str, Tensor]] = {}
-    for index, info in storage.items():
-        if index.fqn in buffers:
-            files.setdefault(info.relative_path, {})[index.fqn] = buffers[index.fqn]
-    for name, part in sorted(files.items()):
-        file = version / name
-        need = max(i.offset + i.length for i in storage.values() if i.relative_path == name)
-        if not file.is_file():
-            reason = "it is missing"
-        elif file.stat().st_size < need:
-            reason = f"it is truncated ({file.stat().st_size} bytes, {need} expected)"
-        else:
-            try:
-                with _single_process_quiet():
-                    dcp.load(part, storage_reader=FileSystemReader(version), no_dist=True)
-                continue
-            except (Exception, CheckpointException) as err:
-                reason = f"it cannot be read ({_failure(err)})"
-        raise ValueError(
-            f"{source} is damaged: data file {str(file)!r} holding {len(part)} of this "
-            f"process's tensors ({_short(list(part))}): {reason}. Nothing was loaded; restore "
-            "the file, or load an older version (save with keep= to retain some)"
-        ) from None
+    for name, part in sorted(files.items()):  # which file DCP could not read
+        try:
+            with _single_process_quiet():
+                dcp.load(part, storage_reader=FileSystemReader(version), no_dist=True)
+        except (Exception, CheckpointException) as err:
+            reason = f"it cannot be read ({_failure(err)})"
+            raise _damaged(source, version / name, part, reason) from None
     raise ValueError(
         f"{source} could not be read ({_failure(failure)}); nothing was loaded"
     ) from failure
+
+
+def _file_problem(file: Path, need: int, sums: dict[str, list[int]] | None) -> str | None:
+    """Why a data file cannot be trusted (missing, truncated, changed), or None."""
+    if not file.is_file():
+        return "it is missing"
+    if file.stat().st_size < need:
+        return f"it is truncated ({file.stat().st_size} bytes, {need} expected)"
+    return None if sums is None else mismatch(file, sums)
+
+
+def _damaged(source: str, file: Path, part: Mapping[str, Tensor], reason: str) -> ValueError:
+    return ValueError(
+        f"{source} is damaged: data file {str(file)!r} holding {len(part)} of this "
+        f"process's tensors ({_short(list(part))}): {reason}. Nothing was loaded; restore "
+        "the file, or load an older version (save with keep= to retain some)"
+    )
 
 
 def _targets(

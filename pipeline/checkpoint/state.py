@@ -8,11 +8,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from pipeline.execution.distributed import DistContext
+from pipeline.execution.distributed import DistContext, wire
 from pipeline.execution.distributed.dtensors import laid_out_as
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
@@ -81,20 +80,14 @@ def _gather_to_rank0(
     if ctx is None:
         return [part]
     if replicas and ctx.layout.data_parallel > 1:
-        every: list[Any] = [None] * ctx.layout.world_size if ctx.layout.rank == 0 else []
         with ctx.guard("state gather"):
-            dist.gather_object(part, every if ctx.layout.rank == 0 else None, dst=0)
-        return every if ctx.layout.rank == 0 else None
+            return wire.gather_values(part, dst=0)
     if ctx.layout.dp_rank != 0:
         return None
     if ctx.layout.stages == 1:
         return [part] if ctx.layout.rank == 0 else None
-    parts: list[Any] = [None] * ctx.layout.stages if ctx.layout.rank == 0 else []
     with ctx.guard("state gather"):
-        dist.gather_object(
-            part, parts if ctx.layout.rank == 0 else None, dst=0, group=ctx.pp_group
-        )
-    return parts if ctx.layout.rank == 0 else None
+        return wire.gather_values(part, dst=0, group=ctx.pp_group)
 
 
 def _cpu(t: Tensor) -> Tensor:

@@ -7,9 +7,10 @@ asynchronously if asked (the step stalls only while the tensors are copied).
 
 What a save holds besides model and optimizer (its ``extra``): the steps done, the caller's
 data position (plain data, e.g. a sampler's state) and the RNG states of every process (torch's
-CPU generator, the CUDA one where present, Python's `random`), keyed by (replica, pipeline
-rank). On resume a process takes the states saved at its own (replica, pipeline rank), else
-those of global rank 0 (a layout that did not exist before). NumPy's generator is not saved."""
+CPU generator, the CUDA one where present, Python's `random`, NumPy's global generator, which
+data pipelines often use for augmentation), keyed by (replica, pipeline rank). On resume a
+process takes the states saved at its own (replica, pipeline rank), else those of global rank 0
+(a layout that did not exist before)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint import read_checkpoint
 from pipeline.checkpoint.files import versions
+from pipeline.execution.distributed import wire
 
 if TYPE_CHECKING:
     from pipeline.api import Pipeline
@@ -41,7 +44,15 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "python": [version, list(state), gauss],
+        "numpy": _numpy_state(),
     }
+
+
+def _numpy_state() -> dict[str, Any]:
+    """NumPy's global (legacy MT19937) generator as plain data."""
+    state = cast(dict[str, Any], np.random.get_state(legacy=False))  # the dict form
+    return {"key": [int(k) for k in state["state"]["key"]], "pos": int(state["state"]["pos"]),
+            "has_gauss": int(state["has_gauss"]), "gauss": float(state["gauss"])}
 
 
 def set_rng_state(saved: dict[str, Any]) -> None:
@@ -52,6 +63,13 @@ def set_rng_state(saved: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(saved["cuda"][:count])
     version, state, gauss = saved["python"]
     random.setstate((version, tuple(state), gauss))
+    if "numpy" in saved:  # checkpoints written before NumPy's state was saved lack it
+        np_state = saved["numpy"]
+        np.random.set_state({
+            "bit_generator": "MT19937",
+            "state": {"key": np.array(np_state["key"], dtype=np.uint32), "pos": np_state["pos"]},
+            "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"],
+        })
 
 
 @dataclass(frozen=True)
@@ -173,11 +191,9 @@ class Checkpointer:
     def save(self, step: int, data: Any = None) -> None:
         """Save now, as after `step` steps, with the data position `data`."""
         mine = (_coordinate(self.pipe), rng_state())
-        gathered: list[Any] = [mine]
+        gathered: list[Any] | None = [mine]
         if self.pipe.distributed is not None:
-            world = dist.get_world_size()
-            gathered = [None] * world if dist.get_rank() == 0 else []
-            dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+            gathered = wire.gather_values(mine, dst=0)
         extra = {_TAG: {"step": step, "data": data, "rng": gathered}}
         self.pipe.save_checkpoint(
             self.path, self.optimizer, extra, keep=self.keep, async_save=self.async_save

@@ -26,16 +26,14 @@ named when the waits for it end, after ``timeout`` seconds.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
-import torch.utils._pytree as pytree
-from torch import Tensor
 
+from pipeline.execution.distributed import wire
 from pipeline.execution.distributed.failure import RankFailure, raised_text, stopped_text
 from pipeline.planning.settings import Settings, mismatch_message
 
@@ -48,16 +46,21 @@ class SettingsMismatch(ValueError):
     before any tensor moved)."""
 
 
-def portable(obj: Any) -> Any:
-    """Tensors moved to CPU (meta ones kept) so that they unpickle on every process."""
-    return pytree.tree_map_only(
-        Tensor, lambda t: t if t.is_meta else t.detach().to("cpu"), obj
-    )
-
-
 def _blob(obj: object) -> str:
-    """`obj` pickled for a store value (the store takes bytes, though typed as str)."""
-    return cast(str, pickle.dumps(obj))
+    """`obj` encoded for a store value (pipeline.execution.distributed.wire: data, never
+    pickle; the store takes bytes, though typed as str)."""
+    return cast(str, wire.dumps(obj))
+
+
+def _read(blob: bytes) -> tuple[str, Any]:
+    """A (kind, body) verdict or arrival read back; a `wire.WireError` for anything that this
+    job did not write (a foreign client's value is refused, never run)."""
+    value = wire.loads(blob)
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)):
+        raise wire.WireError(
+            f"a value in this job's store is not a hybridpipe setup message: {value!r:.80}"
+        )
+    return value
 
 
 class Agreement:
@@ -145,12 +148,12 @@ class Agreement:
             self.store.wait(keys, timedelta(seconds=self.timeout))
         except RuntimeError:  # DistStoreError on timeout
             return self._decide(n, ("silent", self._silence(n, what)))
-        arrivals = [pickle.loads(v) for v in self.store.multi_get(keys)]
+        arrivals = [_read(v) for v in self.store.multi_get(keys)]
         failures = [body for kind, body in arrivals if kind == "failed"]
         if failures:
             return self._decide(n, ("failed", failures[0]))
         text = mismatch_message(what, [body for _, body in arrivals])
-        return self._decide(n, ("ok", portable(value)) if text is None else ("mismatch", text))
+        return self._decide(n, ("ok", value) if text is None else ("mismatch", text))
 
     def _await_verdict(self, n: int, what: str) -> tuple[str, Any]:
         key = self._key(n, "verdict")
@@ -158,13 +161,13 @@ class Agreement:
             self.store.wait([key], timedelta(seconds=self.timeout))
         except RuntimeError:  # rank 0 may still wait for a silent peer: name it ourselves
             return self._decide(n, ("silent", self._silence(n, what)))
-        kind, body = pickle.loads(self.store.get(key))
+        kind, body = _read(self.store.get(key))
         return kind, body
 
     def _decide(self, n: int, verdict: tuple[str, Any]) -> tuple[str, Any]:
         """Publish `verdict` unless there is one already; return the one every rank reads."""
         stored = self.store.compare_set(self._key(n, "verdict"), "", _blob(verdict))
-        kind, body = pickle.loads(stored)
+        kind, body = _read(stored)
         return kind, body
 
     def _silence(self, n: int, what: str) -> tuple[str, list[int]]:

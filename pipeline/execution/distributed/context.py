@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeline.execution.distributed.agreement import Agreement, portable
+from pipeline.execution.distributed import wire
+from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.failure import Failures
 from pipeline.execution.distributed.topology import DIMS, make_layout
 from pipeline.execution.timeouts import resolve_timeout
@@ -119,6 +120,4 @@ def agree(obj: Any) -> Any:
     group's own timeout (setup uses `DistContext.agreement` instead, which names failures)."""
     if not dist.is_initialized():
         return obj
-    box = [portable(obj) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return wire.broadcast_value(obj, src=0)
