@@ -219,9 +219,10 @@ def read_checkpoint(
     for name in (_META, ".metadata") if sums is not None else ():
         reason = mismatch(root / live / name, sums)
         if reason is not None:
+            what = "DCP's index" if name == ".metadata" else "its metadata"
             raise ValueError(
-                f"{os.fspath(path)!r} is damaged: {str(root / live / name)!r}: {reason}. "
-                "Nothing was loaded; restore the file, or load an older version"
+                f"checkpoint {os.fspath(path)!r} is damaged: {what} {str(root / live / name)!r}:"
+                f" {reason}. Nothing was loaded; restore the file, or load an older version"
             )
     try:
         meta = torch.load(root / live / _META, map_location="cpu", weights_only=True)
