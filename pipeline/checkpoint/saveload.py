@@ -216,8 +216,8 @@ def read_checkpoint(
             "state dict file use pipe.load_state_dict(torch.load(path))"
         )
     sums = recorded(root / live)
-    for name in (_META, ".metadata") if sums is not None else ():
-        reason = mismatch(root / live / name, sums)
+    for name in (_META, ".metadata"):
+        reason = None if sums is None else mismatch(root / live / name, sums)
         if reason is not None:
             what = "DCP's index" if name == ".metadata" else "its metadata"
             raise ValueError(

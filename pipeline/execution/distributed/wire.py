@@ -22,6 +22,7 @@ import enum
 import importlib
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,8 +155,8 @@ class _Decoder:
         if kind == "dict":
             return dict(zip((self.value(k) for k in node["k"]),
                             (self.value(v) for v in node["v"]), strict=True))
-        simple = {
-            "float": lambda v: float(v), "size": lambda v: torch.Size(int(s) for s in v),
+        simple: dict[str, Callable[[Any], Any]] = {
+            "float": float, "size": lambda v: torch.Size(int(s) for s in v),
             "bytes": base64.b64decode, "dtype": _dtype, "device": torch.device,
             "treespec": treespec_loads,
         }
