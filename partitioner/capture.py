@@ -224,12 +224,29 @@ def _sequential(request: _Request) -> Captured:
 
 
 def _traced(request: _Request, gm: fx.GraphModule, method: Method) -> Captured:
+    _check_flat_call(request, method)
     bind_kwargs(gm, len(request.args), request.kwargs)
     return _record(
         request, gm, fx_units(gm), method, _run_meta(request, gm),
         in_spec=tree_flatten((request.args, request.kwargs))[1], ranges={},
         non_persistent=non_persistent_buffers(request.model),
     )
+
+
+def _check_flat_call(request: _Request, method: Method) -> None:
+    """A traced graph takes each forward argument as one value: an argument that is a
+    list, tuple or dict would be fed its tensors one by one instead, so the graph would run
+    on a call the model itself rejects or reads differently (a one-element list as a tensor)."""
+    named = [(f"positional argument {i}", a) for i, a in enumerate(request.args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in request.kwargs.items()]
+    for what, value in named:
+        if isinstance(value, (list, tuple, dict)):
+            raise CaptureError(
+                f"torch.{'fx' if method == 'fx' else 'nn.Sequential chain'} takes each forward "
+                f"argument as one tensor, but {what} is a {type(value).__name__} of "
+                f"{len(value)}; pass the structure the model's forward takes (a tensor there, "
+                "if that is what it expects)"
+            )
 
 
 # The capture front ends: each returns the same record, or raises CaptureError to let the

@@ -412,7 +412,18 @@ def flat_inputs(
         if spec == in_spec:
             return tuple(leaves)
     raise ValueError(
-        f"inputs are {len(args)} positional tensor(s) and keys {sorted(kwargs)} but the model "
-        f"was captured with {len(want_args)} positional and keys {sorted(want_kwargs)}; give "
-        "every batch the same structure"
+        f"inputs are {_shape_of((args, kwargs))} but the model was captured with "
+        f"{_shape_of((want_args, want_kwargs))} (positional arguments, keyword arguments; "
+        "T: a tensor or value); give every batch the structure the model was captured with"
     )
+
+
+def _shape_of(call: tuple[Any, ...]) -> str:
+    """A call's pytree structure with every leaf shown as T, e.g. ``((T, [T]), {})``."""
+    leaves, spec = tree_flatten(call)
+    return repr(tree_unflatten([_Leaf()] * len(leaves), spec))
+
+
+class _Leaf:
+    def __repr__(self) -> str:
+        return "T"
