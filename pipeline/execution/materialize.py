@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partitioner.rebind import rebind
+
 InitFn = Callable[[nn.Module], Any]
 INIT_DEFAULT = "reset_parameters"
 
@@ -131,7 +133,7 @@ def materialize(
     if not olds:
         return []
     holders = [model, *modules, *holders]
-    made = _replace(holders, fresh)
+    made = rebind(holders, fresh)
     targets = {id(t): t for t in made}
     versions = {key: t._version for key, t in targets.items()}
     below: dict[int, torch.device] = {}  # module id -> device of a target in its subtree
@@ -147,7 +149,7 @@ def materialize(
         _check_written(model, targets, versions, init_fn)
     except ValueError:
         # Back on meta: nothing half-made is left, and a retry starts afresh.
-        _replace(holders, {id(t): old for t, old in zip(made, olds.values(), strict=True)})
+        rebind(holders, {id(t): old for t, old in zip(made, olds.values(), strict=True)})
         raise
     return _names(model, set(targets))
 
@@ -194,20 +196,6 @@ def _fresh(t: Tensor, device: torch.device) -> Tensor:
         new = nn.Parameter(new, requires_grad=t.requires_grad)
     new.__dict__.update(t.__dict__)
     return new
-
-
-def _replace(holders: Iterable[nn.Module], by_id: dict[int, Tensor]) -> list[Tensor]:
-    """Put `by_id[id(old)]` wherever a module under `holders` holds `old` (the model, and the
-    stage modules' own containers); returns the new tensors in `by_id`'s order. (Swapping
-    tensors in place is not possible: capture's fake-tensor memo keeps weak references.)"""
-    for holder in holders:
-        for module in holder.modules():
-            owned: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-            for slots in owned:
-                for field, t in slots.items():
-                    if t is not None and id(t) in by_id:
-                        slots[field] = by_id[id(t)]
-    return list(by_id.values())
 
 
 def _check_written(

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 from partitioner import Captured, CaptureError, capture, partition, profile, split_model
 from partitioner.activation_cost import price_policies
 from partitioner.estimate import estimate
+from partitioner.rebind import rebind
 from pipeline.planning.activation_plan import planned_activations
 from pipeline.planning.activation_policies import SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
@@ -87,6 +89,32 @@ def _load_custom(spec: object) -> Schedule | None:
     raise TypeError(
         f"schedule must be a name, a path or a scheduler.Schedule, got {type(spec).__name__}"
     )
+
+
+@contextmanager
+def real_buffers_on_meta(model: torch.nn.Module) -> Iterator[Callable[..., None]]:
+    """For a model whose parameters are on meta but some buffers real (`pipeline.meta_init`):
+    stand in meta copies for the real buffers while planning captures and estimates it on
+    meta (an op mixing the devices would fail), then put the real ones back in the model and,
+    through the callback, in the modules planning made (captured graph, stage modules)."""
+    real = [b for b in model.buffers() if not b.is_meta]
+    if not on_meta(model) or not real:
+        yield lambda *holders: None
+        return
+    stand_ins = {id(b): b.to("meta") for b in real}
+    back = {id(m): b for m, b in zip(rebind([model], stand_ins), real, strict=True)}
+    restored = False
+
+    def restore(*holders: torch.nn.Module | None) -> None:
+        nonlocal restored
+        rebind([model, *(h for h in holders if h is not None)], back)
+        restored = True
+
+    try:
+        yield restore
+    finally:
+        if not restored:
+            rebind([model], back)
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -227,6 +255,15 @@ class Planner:
     ) -> Decision:
         """Decide from one batch of flat inputs `args`, the leaves of the call `call_spec`
         describes (both needed on the leader only)."""
+        with real_buffers_on_meta(self.model) as restore:
+            decision = self._plan(args, call_spec, how)
+            restore(decision.captured.graph_module, decision.captured.unit_module,
+                    *decision.modules)
+        return decision
+
+    def _plan(
+        self, args: tuple[Any, ...] | None, call_spec: TreeSpec | None, how: Coordination
+    ) -> Decision:
         offer, profiled = self._first_batch(args, call_spec, how) if how.leads else (None, None)
         first: FirstBatch = how.agree("the first batch", offer, input_settings(args))
         inputs = CaptureInputs(first.call_spec, first.rows)
