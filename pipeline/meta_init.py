@@ -36,7 +36,7 @@ def meta_init() -> Iterator[None]:
             moved = param.to("meta")
             module._parameters[name] = type(param)(moved, requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

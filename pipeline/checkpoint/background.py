@@ -1,7 +1,8 @@
 """Asynchronous checkpoint saves: DCP's `async_save` stages this process's tensors (a CPU copy)
 while the caller waits, then writes them from a background thread; global rank 0 makes the new
-version live once every process's files are written. One save is in flight at a time; its
-outcome (an error, a full disk named as such) comes back at `wait`, which the next save calls.
+version live once every process's files and checksum lists are written. One save is in flight
+at a time; its outcome (an error, a full disk named as such) comes back at `wait`, which the
+next save calls.
 
 Under torch.distributed the background writes coordinate over a gloo process group of their
 own, made at the first asynchronous save (every process saves at the same step, so the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemWriter
 
+from pipeline.checkpoint.checksums import ChecksummingWriter, rank_lists, write_rank_checksums
 from pipeline.checkpoint.files import _single_process_quiet, as_disk_full
 from pipeline.execution.distributed import DistContext
 
@@ -72,10 +74,15 @@ class AsyncWriter:
         done = threading.Event()
         self._error, self._where = None, (root, need)
 
+        storage = ChecksummingWriter(version)
+        rank, world = (0, 1) if self._ctx is None else (dist.get_rank(), dist.get_world_size())
+
         def ended(future: Any) -> None:
             try:
                 future.result()
+                write_rank_checksums(version, rank, storage.sums)
                 if finish is not None:
+                    self._await_checksums(version, world)
                     finish()
             except BaseException as err:  # handed to wait(), in the caller's thread
                 discard()
@@ -85,12 +92,25 @@ class AsyncWriter:
 
         with _single_process_quiet():
             future = dcp.async_save(
-                tensors, storage_writer=FileSystemWriter(version), process_group=group,
+                tensors, storage_writer=storage, process_group=group,
                 no_dist=self._ctx is None,
             )
         self._done = done
         # A Future: FileSystemWriter stages (copies) before async_save returns.
         cast(Future, future).add_done_callback(ended)
+
+    def _await_checksums(self, version: Path, world: int) -> None:
+        """(Global rank 0) wait until every process has written its checksum list (each does
+        so as its own background write ends), bounded by the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while rank_lists(version) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {rank_lists(version)} of {world} processes wrote their checkpoint "
+                    f"checksums to {str(version)!r} within {self.timeout:g} s; the previous "
+                    "checkpoint stays live"
+                )
+            time.sleep(0.01)  # a poll with a deadline: the lists arrive within milliseconds
 
     def wait(self, timeout: float | None = None) -> None:
         """Return once the save in flight (if any) is live on every process; raise its error

@@ -1,25 +1,33 @@
-"""Checksums of a checkpoint version's files, so that silent corruption (a flipped bit inside
+"""Checksums of a checkpoint version's files, so that silent corruption (a changed bit inside
 tensor data, which DCP and torch.save would load as a wrong weight) is found before anything
-loads: CRC32C (hardware-accelerated through the `crc32c` package; about 2 GB/s on this
-project's CPUs under load, see benchmarks/bench_checkpoint.py), the checksum iSCSI, ext4 and
-cloud object stores use.
+loads: CRC32C, the checksum of iSCSI, ext4 metadata and cloud object stores, computed in
+hardware by the `crc32c` package (about 2 GB/s measured here on a loaded core).
 
-When a version is complete (every process has written its DCP files and global rank 0 its
-``hybridpipe.pt``), global rank 0 writes ``checksums.json`` beside them: each file's size and
-CRC32C, and a CRC32C of that list itself. A reader checks the files it is about to read
-(`mismatch`) and names the first that differs in a ValueError."""
+Each process checksums its DCP shard files as it writes them (`ChecksummingWriter`: the bytes
+are hashed on their way to the file, never read back) and writes ``checksums-r<rank>.json``;
+global rank 0 adds ``checksums-index.json`` for DCP's index and ``hybridpipe.pt`` before the
+version goes live. Each list carries a CRC32C of itself. A reader checks the files it is about
+to read (`mismatch`) against the union of the lists (`recorded`)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import crc32c
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
-FILE = "checksums.json"
 ALGORITHM = "crc32c"
+PREFIX = "checksums-"
+INDEX = f"{PREFIX}index.json"
 _CHUNK = 16 * 2**20
+Sums = dict[str, list[int]]  # file name -> [size, crc32c]
 
 
 def file_crc(path: Path) -> int:
@@ -33,51 +41,118 @@ def file_crc(path: Path) -> int:
     return crc
 
 
-def _body_crc(files: dict[str, list[int]]) -> int:
-    return crc32c.crc32c(json.dumps(files, sort_keys=True).encode())
+class _CrcStream(io.RawIOBase):
+    """A file opened for writing that hashes every byte written to it."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = crc32c.crc32c(view, self.crc)
+        self.size += len(view)
+        return cast(int, self.raw.write(view))
+
+    def tell(self) -> int:
+        return cast(int, self.raw.tell())
+
+    def fileno(self) -> int:
+        return cast(int, self.raw.fileno())
+
+    def flush(self) -> None:
+        self.raw.flush()
 
 
-def write_checksums(version: Path) -> None:
-    """(Global rank 0, the version complete) checksum every file of `version` and write
-    ``checksums.json`` (fsynced; the directory is fsynced when the version goes live)."""
-    files = {
-        p.name: [p.stat().st_size, file_crc(p)]
-        for p in sorted(version.iterdir()) if p.is_file() and p.name != FILE
-    }
-    text = json.dumps({"algorithm": ALGORITHM, "files": files, "crc": _body_crc(files)})
-    with open(version / FILE, "w", encoding="utf-8") as f:
-        f.write(text)
+class _ChecksummingFileSystem(FileSystem):
+    def __init__(self, sums: Sums) -> None:
+        super().__init__()
+        self.sums = sums
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as raw:
+            stream = _CrcStream(raw)
+            yield stream
+            self.sums[Path(path).name] = [stream.size, stream.crc]
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that checksums the shard files it writes (`sums`)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.sums: Sums = {}
+        self.fs = _ChecksummingFileSystem(self.sums)
+
+
+def _write_list(path: Path, files: Sums) -> None:
+    body = json.dumps({"algorithm": ALGORITHM, "files": files,
+                       "crc": crc32c.crc32c(json.dumps(files, sort_keys=True).encode())})
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(body)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-def recorded(version: Path) -> dict[str, list[int]] | None:
-    """The checksums `write_checksums` recorded for `version` (None if it has none: a
-    checkpoint written before checksums existed); a ValueError if the list is damaged."""
-    path = version / FILE
-    if not path.is_file():
+def write_rank_checksums(version: Path, rank: int, sums: Sums) -> None:
+    """This process's shard checksums, once its DCP write is done."""
+    _write_list(version / f"{PREFIX}r{rank}.json", sums)
+
+
+def write_index_checksums(version: Path, names: tuple[str, ...]) -> None:
+    """(Global rank 0, before the version goes live) checksum the small index files."""
+    _write_list(version / INDEX, {n: [(version / n).stat().st_size, file_crc(version / n)]
+                                  for n in names})
+
+
+def rank_lists(version: Path) -> int:
+    """How many processes' checksum lists `version` holds."""
+    return sum(1 for p in version.glob(f"{PREFIX}r*.json"))
+
+
+def recorded(version: Path) -> Sums | None:
+    """Every checksum written for `version` (None if it has none: a checkpoint written before
+    checksums existed); a ValueError naming a list that is itself damaged."""
+    lists = sorted(version.glob(f"{PREFIX}*.json"))
+    if not lists:
         return None
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        files = saved["files"]
-        ok = saved["algorithm"] == ALGORITHM and saved["crc"] == _body_crc(files)
-    except (ValueError, KeyError, TypeError):
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"checkpoint file {str(path)!r} is damaged (its own checksum does not match); "
-            "nothing was loaded: load an older version (save with keep= to retain some)"
-        )
-    return {str(name): [int(v) for v in entry] for name, entry in files.items()}
+    merged: Sums = {}
+    for path in lists:
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            files = saved["files"]
+            ok = saved["algorithm"] == ALGORITHM and saved["crc"] == crc32c.crc32c(
+                json.dumps(files, sort_keys=True).encode())
+            merged.update({str(k): [int(v[0]), int(v[1])] for k, v in files.items()})
+        except (ValueError, KeyError, TypeError, IndexError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"checkpoint file {str(path)!r} is damaged (its own checksum does not match); "
+                "nothing was loaded: load an older version (save with keep= to retain some)"
+            )
+    return merged
 
 
-def mismatch(path: Path, checksums: dict[str, list[int]]) -> str | None:
+def mismatch(path: Path, sums: Sums) -> str | None:
     """Why `path` differs from what was written (never recorded, another size, another
     CRC32C), or None when it matches."""
-    if path.name not in checksums:
-        return ("it has no recorded checksum (it was not written with this checkpoint, or "
-                f"{FILE} was replaced)")
-    size, crc = checksums[path.name]
+    if path.name not in sums:
+        return ("it has no recorded checksum (it was not written with this checkpoint, or a "
+                "process's checksum list is missing)")
+    size, crc = sums[path.name]
     actual = path.stat().st_size if path.is_file() else -1
     if actual < 0:
         return "it is missing"

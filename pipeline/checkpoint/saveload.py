@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -27,8 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from pipeline.checkpoint.background import AsyncWriter
-from pipeline.checkpoint.checksums import ALGORITHM, mismatch, recorded, write_checksums
-from pipeline.checkpoint.checksums import FILE as CHECKSUMS
+from pipeline.checkpoint.checksums import (
+    ALGORITHM,
+    ChecksummingWriter,
+    mismatch,
+    recorded,
+    write_index_checksums,
+    write_rank_checksums,
+)
 from pipeline.checkpoint.extra import check_extra
 from pipeline.checkpoint.files import (
     _META,
@@ -111,7 +117,7 @@ def _state_to_save(
 def _go_live(root: Path, name: str, meta: dict[str, Any], keep: int) -> None:
     """(Global rank 0, every process's files written) write hybridpipe.pt, switch to it."""
     atomic_save(meta, root / name / _META)
-    write_checksums(root / name)
+    write_index_checksums(root / name, (_META, ".metadata"))
     _commit(root, name, keep)
 
 
@@ -173,8 +179,13 @@ def save_checkpoint(
                 writer.start(tensors, version, finish=finish, discard=discard, root=root,
                              need=need)
                 return
+            storage = ChecksummingWriter(version)
             with _single_process_quiet():
-                dcp.save(tensors, storage_writer=FileSystemWriter(version), no_dist=ctx is None)
+                dcp.save(tensors, storage_writer=storage, no_dist=ctx is None)
+            write_rank_checksums(version, 0 if ctx is None else dist.get_rank(), storage.sums)
+            if ctx is not None:  # every process's checksums are written before it goes live
+                ready = torch.zeros(1, device=ctx.device)
+                ctx.wait_work(dist.all_reduce(ready, async_op=True), None, "the checksums")
             if finish is not None:
                 finish()
         except BaseException as err:
@@ -242,7 +253,7 @@ def read_checkpoint(
         )
     if meta.get("checksums") and sums is None:
         raise ValueError(
-            f"{os.fspath(path)!r} version {live!r} lacks its {CHECKSUMS!r} (written with every "
+            f"{os.fspath(path)!r} version {live!r} lacks its checksum lists (written with every "
             "version): it was damaged; load an older version (save with keep= to retain some)"
         )
     return root / live, meta

@@ -290,9 +290,9 @@ def test_a_flipped_bit_in_the_live_version_falls_back_to_an_older_one(tmp_path: 
     with pytest.raises(ValueError, match=r"is damaged: its metadata '.*v-000001/hybridpipe.pt'"
                                          ": its CRC32C checksum differs"):
         again.load_checkpoint(tmp_path / "ckpt", version="v-000001")
-    sums = tmp_path / "ckpt" / "v-000002" / "checksums.json"
+    sums = tmp_path / "ckpt" / "v-000002" / "checksums-r0.json"
     sums.write_text(sums.read_text().replace('"crc": ', '"crc": 1'))
-    with pytest.raises(ValueError, match=r"checksums.json' is damaged \(its own checksum"):
+    with pytest.raises(ValueError, match=r"checksums-r0.json' is damaged \(its own checksum"):
         again.load_checkpoint(tmp_path / "ckpt")
 
 
