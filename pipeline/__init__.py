@@ -5,7 +5,7 @@ and buffers real)."""
 
 from pipeline.api import Pipeline
 from pipeline.elastic import Checkpointer
-from pipeline.meta_init import meta_init
+from pipeline.facade.meta_init import meta_init
 from pipeline.planning.activation_policies import Selective
 
 __all__ = ["Checkpointer", "Pipeline", "Selective", "meta_init"]

@@ -76,13 +76,12 @@ class _ChecksummingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-        if mode != "wb" or not str(path).endswith(".distcp"):
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open(path, "wb") as raw:
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb" or not str(path).endswith(".distcp"):
+                yield raw
+                return
             stream = _CrcStream(raw)
-            yield stream
+            yield cast(io.IOBase, stream)
             self.sums[Path(path).name] = [stream.size, stream.crc]
 
 

@@ -540,3 +540,33 @@ def test_untraceable_model_names_the_way_out() -> None:
         r"sequential=True when the model's forward applies its top-level children in order\)",
         str(info.value),
     ), str(info.value)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)) + y)
+
+
+def test_input_structure_the_model_rejects_is_refused_before_running() -> None:
+    """A one-element list where the model takes a tensor: the unsplit model raises, so must
+    the pipeline (before anything runs), at the first batch and at a later one."""
+    model = _TwoInputs()
+    x, t = torch.randn(8, 4), torch.randn(8, 4)
+    with pytest.raises(TypeError):
+        model(x, [x])
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss())
+    with pytest.raises(CaptureError, match=r"positional argument 1 is a list of 1; pass the "
+                                           "structure the model's forward takes"):
+        pipe.step((x, [x]), t)
+    assert all(p.grad is None for p in model.parameters())
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=nn.MSELoss())
+    pipe.step((x, x), t)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=re.escape(
+            "inputs are ((T, [T]), {}) but the model was captured with ((T, T), {})")):
+        pipe.step((x, [x]), t)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
