@@ -1,9 +1,9 @@
 """Benchmark: re-balancing a running distributed job (pipe.rebalance under torchrun, pp=2 on 2
 gloo processes of 1 thread each, 1F1B, 4 microbatches, Adam).
 
-The model's compute is uneven per parameter: 6 attention-like blocks (a 64x64 linear and a
-parameter-free attention over 256 positions: much compute, few parameters) then 6 MLP blocks
-(64 -> 512 -> 64: many parameters, less compute each). Two cases:
+The model's compute is uneven per parameter: 6 looped blocks (one 64x64 linear applied 16
+times) then 6 wide MLP blocks (64 -> 512 -> 64): the same compute each, a looped block 1/16 of
+a wide one's parameters. Two cases:
 - wrong plan: balance="parameters" puts most of the compute on rank 0; a job started so with
   rebalance=True re-partitions after its third step. Compared with the static plans
   balance="parameters", balance="profile" and the re-balanced sizes given as balance=[...]
@@ -13,7 +13,8 @@ parameter-free attention over 256 positions: much compute, few parameters) then 
   profiled plan (right for equal devices) with rebalance=True, against that plan and the
   re-balanced sizes as a static plan.
 Every configuration is a Pipeline of its own in one launch; their steps take turns round by
-round (drift and other load hit all alike); step time = rank 0's wall time of pipe.step, median
+round (drift and other load hit all alike), each after a barrier (none pays for another's
+optimizer step on the other rank); step time = rank 0's wall time of pipe.step, median
 over the measured rounds (after warm-up; the re-balance happens during warm-up). Also the
 move: seconds from the decision to the rebuilt executor, bytes received (weights, grads, Adam
 state) on each rank, tensors moved. Writes benchmarks/results/rebalance.{md,json}.
@@ -38,21 +39,22 @@ from torch import nn
 from torch.nn import functional as F
 
 ROUNDS, WARMUP = int(os.environ.get("BENCH_ROUNDS", "12")), 4
-DIM, SEQ, HIDDEN, ROWS, M = 64, 256, 512, 4, 4
+DIM, SEQ, HIDDEN, ROWS, M, REPEAT = 64, 128, 512, 4, 4, 16
 SLOWDOWN = 3.0  # the heterogeneous case's slow rank runs each block's forward this much longer
 
 
-class Attentive(nn.Module):
-    """Much compute per parameter: a linear, then attention with no parameters."""
+class Repeated(nn.Module):
+    """Much compute per parameter: one small linear applied REPEAT times (as a weight-shared
+    recurrent or looped block is): as much compute as a `Wide` block, 1/16 of its parameters."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
-        weights = torch.softmax(h @ h.transpose(1, 2) / DIM**0.5, dim=-1)
-        return x + weights @ h
+        for _ in range(REPEAT):
+            x = x + torch.tanh(self.proj(x))
+        return x
 
 
 class Wide(nn.Module):
@@ -68,7 +70,7 @@ class Wide(nn.Module):
 
 def _model(slow: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*(Attentive() for _ in range(6)), *(Wide() for _ in range(6)))
+    model = nn.Sequential(*(Repeated() for _ in range(6)), *(Wide() for _ in range(6)))
     if slow:
         for block in model:
             block.register_forward_pre_hook(lambda m, _: setattr(m, "_t0", time.perf_counter()))
@@ -89,12 +91,15 @@ class Run:
 
         self.pipe = Pipeline(_model(slow), stages=2, schedule="1f1b", microbatches=M,
                              loss_fn=_mse, balance=balance, rebalance=rebalance,
-                             capture_method="fx", leaf_modules=(Attentive, Wide))
+                             capture_method="fx", leaf_modules=(Repeated, Wide))
         self.opt: torch.optim.Optimizer | None = None
         self.times: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, measured: bool) -> None:
+        import torch.distributed as dist
+
         self.pipe.zero_grad()
+        dist.barrier()  # the previous run's optimizer step is over on every rank
         start = time.perf_counter()
         self.pipe.step(x, y)
         elapsed = time.perf_counter() - start
@@ -156,8 +161,9 @@ def _report(data: dict[str, Any]) -> str:
     lines = [
         "# Re-balancing a running distributed job", "",
         f"pp=2 (2 gloo processes, 1 thread each), 1F1B, {M} microbatches of {ROWS // M} rows x "
-        f"{SEQ} positions; 6 attention-like blocks (compute, few parameters) + 6 wide MLP "
-        f"blocks (parameters, less compute); Adam. Step: rank 0's wall time of pipe.step, "
+        f"{SEQ} positions; 6 looped blocks (a 64x64 linear applied {REPEAT} times) + 6 wide "
+        f"MLP blocks (64 -> {HIDDEN} -> 64; the same compute, 16x the parameters); Adam. "
+        "Step: rank 0's wall time of pipe.step (after a barrier), "
         f"median of {ROUNDS} rounds taking turns. Machine: {data['machine']}.", "",
         "| case | run | plan (units per stage) | step ms | vs best static |",
         "|---|---|---|---:|---:|",
