@@ -93,16 +93,17 @@ def worker_train_eval(out: Path) -> None:
     print("worker train_eval: every check ran", flush=True)
 
 
-def worker_dropout(out: Path) -> None:
+def worker_dropout(out: Path, shard: str | None = None) -> None:
     from pipeline import Pipeline
 
     init_worker()
     model, ref = bn_model(dropout=0.3), bn_model(dropout=0.3)
-    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=F.cross_entropy)
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=F.cross_entropy, shard=shard,
+                    example_input=bn_batch(0)[0])
     ctx = pipe.distributed
     assert ctx is not None
     dp, d = ctx.layout.data_parallel, ctx.layout.dp_rank
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt = pipe.optimizer(torch.optim.SGD, lr=0.1)
     for step in range(2):
         x, y = bn_batch(step, rows=8 * dp)
         pipe.step(replica_slice(x, d, dp), replica_slice(y, d, dp))
@@ -117,10 +118,11 @@ def worker_dropout(out: Path) -> None:
         ref.load_state_dict(state)
         expected = _reference_eval(ref, vx, vy, dp)
         assert abs(got - expected) < 1e-12, (got, expected)
-    print("worker dropout: every check ran", flush=True)
+    print(f"worker dropout{'_' + shard if shard else ''}: every check ran", flush=True)
 
 
-WORKERS = {"train_eval": worker_train_eval, "dropout": worker_dropout}
+WORKERS = {"train_eval": worker_train_eval, "dropout": worker_dropout,
+           "dropout_full": lambda out: worker_dropout(out, shard="full")}
 
 
 @pytest.mark.slow
