@@ -67,9 +67,9 @@ def plan_onto(plan: Plan, old: Captured, new: Captured) -> Plan:
     order = [name for names in stages for name in names]
     if order != list(new.order) or not all(stages):
         raise ValueError(
-            "the model captured in its new train/eval mode has units "
-            f"{len(new.order)} that do not cut like the running plan's {plan.sizes}; build "
-            "a Pipeline in this mode, or pass capture_method='fx' (it follows modes as it runs)"
+            f"the model captured in its new train/eval mode has {len(new.order)} units that "
+            f"do not cut like the running plan's stages of {plan.sizes} units; build a "
+            "Pipeline in this mode, or pass capture_method='fx' (it follows modes as it runs)"
         )
     return dataclasses.replace(plan, stages=stages)
 

@@ -1,7 +1,8 @@
 """Train and evaluate under torchrun (pp=2 x dp=2, gloo, 4 processes): train steps interleaved
 with evaluations in eval mode (pipe.eval() / pipe.train(), the eval graph captured by every
 process on a meta stand-in after the other stages' weights were freed) give exactly the losses
-and weights of the unsplit model doing the same (float64, BatchNorm, export capture); with
+and weights of the unsplit model doing the same (float64, BatchNorm, export capture; 1f1b,
+interleaved-1f1b and zbv); with
 dropout, an evaluation after training equals the unsplit model's eval() loss on the gathered
 weights; the metrics count every replica's samples; each replica's sampler deals the data as
 DistributedSampler over the replicas.
@@ -55,11 +56,18 @@ def _reference_eval(ref: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dp: 
 
 
 def worker_train_eval(out: Path) -> None:
+    init_worker()
+    for schedule in ("1f1b", "interleaved-1f1b", "zbv"):
+        _train_eval(schedule)
+    print("worker train_eval: every check ran", flush=True)
+
+
+def _train_eval(schedule: str) -> None:
     from pipeline import Pipeline
 
-    init_worker()
     model, ref = bn_model(), bn_model()
-    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=F.cross_entropy)
+    pipe = Pipeline(model, stages=2, schedule=schedule, microbatches=M,
+                    loss_fn=F.cross_entropy)
     ctx = pipe.distributed
     assert ctx is not None
     dp, d = ctx.layout.data_parallel, ctx.layout.dp_rank
@@ -69,7 +77,7 @@ def worker_train_eval(out: Path) -> None:
         x, y = bn_batch(step, rows=8 * dp)
         loss = pipe.step(replica_slice(x, d, dp), replica_slice(y, d, dp))
         expected = _reference_step(ref, x, y, dp)
-        assert abs(float(loss) - expected) < 1e-12, (step, float(loss), expected)
+        assert abs(float(loss) - expected) < 1e-12, (schedule, step, float(loss), expected)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -80,7 +88,7 @@ def worker_train_eval(out: Path) -> None:
             got = float(pipe.evaluate(replica_slice(vx, d, dp), replica_slice(vy, d, dp)))
             pipe.train()
             expected = _reference_eval(ref, vx, vy, dp)
-            assert abs(got - expected) < 1e-12, (step, got, expected)
+            assert abs(got - expected) < 1e-12, (schedule, step, got, expected)
     state = pipe.state_dict()
     if state is not None:  # global rank 0 gathers the whole model
         for name, value in ref.state_dict().items():
@@ -90,7 +98,6 @@ def worker_train_eval(out: Path) -> None:
     data = TensorDataset(torch.arange(21))
     assert list(pipe.replica_sampler(data, seed=3)) == list(
         DistributedSampler(data, num_replicas=dp, rank=d, seed=3))
-    print("worker train_eval: every check ran", flush=True)
 
 
 def worker_dropout(out: Path, shard: str | None = None) -> None:
