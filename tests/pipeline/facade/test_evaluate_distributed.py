@@ -2,10 +2,10 @@
 with evaluations in eval mode (pipe.eval() / pipe.train(), the eval graph captured by every
 process on a meta stand-in after the other stages' weights were freed) give exactly the losses
 and weights of the unsplit model doing the same (float64, BatchNorm, export capture; 1f1b,
-interleaved-1f1b and zbv); with
-dropout, an evaluation after training equals the unsplit model's eval() loss on the gathered
-weights; the metrics count every replica's samples; each replica's sampler deals the data as
-DistributedSampler over the replicas.
+interleaved-1f1b and zbv); with dropout, an evaluation after training equals the unsplit
+model's eval() loss on the gathered weights (also with shard="full": the stages' code switches
+under FSDP2); the metrics count every replica's samples; each replica's sampler deals the data
+as DistributedSampler over the replicas.
 
 This file is also the worker: ``python FILE WORKER OUT_DIR``."""
 
