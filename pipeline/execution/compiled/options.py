@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 _KEYS = ("mode", "backend", "dynamic", "fullgraph", "options")
 
@@ -23,7 +22,7 @@ class CompileOptions:
     fullgraph: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
 
-    def compile(self, gm: nn.Module) -> Callable[..., Any]:
+    def compile(self, gm: Callable[..., Any]) -> Callable[..., Any]:
         """`gm` compiled (lazily, on its first call, as torch.compile does)."""
         return torch.compile(
             gm, backend=self.backend, mode=self.mode, dynamic=self.dynamic,

@@ -98,7 +98,7 @@ class _Compiled:
     """One graph and its compiled form: the first call compiles (timed into the stats); if
     compiling fails the graph runs as it is from then on, with a warning."""
 
-    def __init__(self, gm: nn.Module, options: CompileOptions, what: str) -> None:
+    def __init__(self, gm: Callable[..., Any], options: CompileOptions, what: str) -> None:
         self.gm = gm
         self.what = what
         self.compiled: Callable[..., Any] = options.compile(gm)
