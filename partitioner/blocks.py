@@ -27,26 +27,32 @@ from torch import fx, nn
 from partitioner.autocast import op_of
 
 
-def _module_path(node: fx.Node) -> str | None:
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack")
-    if not stack or node.op in ("get_attr", "placeholder", "output"):
-        return None
-    path = list(stack.values())[-1][0]
-    return path if isinstance(path, str) and not path.startswith("_empty") else None
-
-
-def block_key(node: fx.Node) -> str | None:
-    """The block `node` belongs to: its module path up to the first numeric part ("" outside
-    indexed containers), or None when the node has no module."""
-    path = _module_path(node)
-    if path is None:
-        return None
+def _item(path: str) -> str | None:
+    """The path up to its first numeric part (``blocks.3.attn`` -> ``blocks.3``), else None."""
     parts = path.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: i + 1])
+    return None
+
+
+def block_key(node: fx.Node) -> str | None:
+    """The block `node` belongs to: the outermost module on its stack that is an item of an
+    indexed container (with torch.export's call count when that module is called more than
+    once, so each call of a shared layer is a block of its own), "" outside such containers,
+    or None when the node has no module (a parameter read, a shape lookup)."""
+    if node.op == "call_module":  # torch.fx: the module called whole
+        return _item(str(node.target)) or ""
+    stack = node.meta.get("nn_module_stack")
+    if not stack or node.op in ("get_attr", "placeholder", "output"):
+        return None
+    if str(list(stack.values())[-1][0]).startswith("_empty"):
+        return None
+    for key, (path, _) in stack.items():
+        item = _item(str(path))
+        if item is not None:
+            count = str(key).rpartition("@")[2] if "@" in str(key) else ""
+            return f"{item}@{count}" if count.isdigit() and item == path else item
     return ""
 
 

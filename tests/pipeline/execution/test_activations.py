@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from partitioner.blocks import BlockChain, block_key
 from pipeline import Pipeline, Selective
 from pipeline.planning import planner
+from tests.support import real_models
 from tests.support.capture_memo import memo_capture
 from tests.support.models import lm_loss, make_model
 
@@ -143,3 +144,23 @@ def test_a_stage_runs_as_one_block_per_transformer_layer(gpt: Any) -> None:
         values = ref
     # The embedding (top-level ops), each layer, and the final norm with the head.
     assert keys == [["", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", ""]]
+
+
+@pytest.mark.parametrize(("name", "policy"), [("albert", "full"), ("llama", "selective"),
+                                              ("gpt2", ["offload", "full"])])
+def test_real_models_under_a_policy(name: str, policy: object) -> None:
+    """Hugging Face models no one here wrote: ALBERT (one layer called at every depth: each
+    call is a block of its own), Llama (rotary tables read by every layer), GPT-2 (tied
+    embedding across the stages); float64, exact against the unsplit model."""
+    spec = real_models.SPECS[name]
+    torch.manual_seed(0)
+    model = spec.build().double()
+    ref = copy.deepcopy(model)
+    x, y = spec.batch(4, 8)
+    pipe = Pipeline(model, 2, microbatches=2, loss_fn=spec.loss_fn, balance="parameters",
+                    checkpoint_activations=policy)
+    real_models.check_step(pipe, model, ref, x, y)
+    if name == "albert":
+        keys = {block_key(n) for stage in pipe.stage_modules
+                for b in BlockChain(stage).blocks for n in b.module.graph.nodes}
+        assert "albert.encoder.albert_layer_groups.0@1" in keys
