@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import logging
 
+from pipeline.execution.distributed.executor import DistributedExecutor
+from pipeline.execution.distributed.shard import Sharding
 from pipeline.facade.replan import DistributedReplan, repartitioned
 from pipeline.facade.setup import Setup
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
@@ -158,8 +160,8 @@ class MeasuredSteps:
 
     def _check_distributed(self, what: str, replan: DistributedReplan) -> None:
         """What a distributed re-plan needs, checked alike on every process before any
-        tensor moves: the units' profiled costs on rank 0, no sharding, two measured steps."""
-        planner, shard = self.setup.planner, self.setup.executor.shard
+        tensor moves: the units' profiled costs on rank 0 and two measured steps."""
+        planner = self.setup.planner
         if not (planner.balance == "profile" or planner.auto or planner.auto_activations
                 or planner.profile_units):
             raise ValueError(
@@ -167,14 +169,12 @@ class MeasuredSteps:
                 f"rank 0 takes before the model is split; balance={planner.balance!r} skips "
                 "them: build the Pipeline with rebalance=True or balance='profile'"
             )
-        if shard == "full":
-            raise ValueError(
-                f"{what} under torch.distributed with shard={shard!r} is not supported yet; "
-                "re-plan without sharding, or pass the plan it reports (balance=[...]) or "
-                "schedule when building the Pipeline"
-            )
         if len(replan.stage_times) < 2:
             raise ValueError(f"{what} needs measured steps: run at least three steps first")
+
+    def _sharding(self) -> Sharding | None:
+        executor = self.setup.executor
+        return executor.sharding if isinstance(executor, DistributedExecutor) else None
 
     def _rebalance_distributed(self, replan: DistributedReplan, threshold: float) -> Rebalance:
         """Every process calls it at the same step (pipeline.facade.replan)."""
@@ -182,7 +182,8 @@ class MeasuredSteps:
         planned = self.setup.require_plan()
         report = replan.decide(planned, self.calibration, threshold)
         if report.applied:
-            replan.move(planned, repartitioned(planned, report.after), self._adopt)
+            replan.move(planned, repartitioned(planned, report.after), self._adopt,
+                        self._sharding())
         self.rebalanced = report
         log.info("hybridpipe: %s", report)
         return report
@@ -196,7 +197,7 @@ class MeasuredSteps:
         report, schedule = replan.decide_schedule(
             planned, self.calibration, threshold, self.setup.planner.memory_limit)
         if schedule is not None:
-            replan.move(planned, planned.rescheduled(schedule), self._adopt)
+            replan.move(planned, planned.rescheduled(schedule), self._adopt, self._sharding())
         self.resynthesized = report
         log.info("hybridpipe: %s", report)
         return report

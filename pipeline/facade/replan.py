@@ -4,7 +4,8 @@ slowest replica of each stage counts), global rank 0 re-partitions for the ranks
 speeds (pipeline.planning.rank_speeds) and broadcasts its decision (a tensor: applied, the two
 predicted steps, the stage sizes); every process then makes the same plan from those sizes
 and, if it was adopted, moves the units whose pipeline rank changed with their gradients and
-optimizer state (pipeline.execution.distributed.moves) before the executor is rebuilt. A
+optimizer state (pipeline.execution.distributed.moves; under shard="full" on whole tensors,
+gathered and sharded anew: fsdp_moves) before the executor is rebuilt. A
 re-synthesised schedule's text is broadcast likewise (a new placement moves units too).
 
 The optimizers whose state moves are those made by ``pipe.optimizer(...)`` and any optimizer
@@ -28,7 +29,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from partitioner import partition
 from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.fsdp_moves import Unsharded
 from pipeline.execution.distributed.moves import UnitMove, holders, plan_moves, total_bytes
+from pipeline.execution.distributed.shard import Sharding
 from pipeline.execution.distributed.zero_moves import ZeroView
 from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import stage_costs
@@ -187,15 +190,22 @@ class DistributedReplan:
                              bool(values[0]))
         return report, Schedule.from_text(text, name=SYNTH) if report.applied else None
 
-    def move(self, planned: Decision, new: Decision,
-             adopt: Callable[[Decision], None]) -> None:
+    def move(self, planned: Decision, new: Decision, adopt: Callable[[Decision], None],
+             sharding: Sharding | None = None) -> None:
         """Move the units whose pipeline rank differs between `planned` and `new` (the same
-        decision on every process), then `adopt` it (the executor is rebuilt for it)."""
+        decision on every process), then `adopt` it (the executor is rebuilt for it).
+        `sharding`: the executor's; under shard="full" the move runs on whole tensors."""
         start = time.perf_counter()
+        optimizers = self.optimizers.alive()
+        unsharded = None
+        if sharding is not None and sharding.full is not None:
+            unsharded = Unsharded(self.ctx, sharding, optimizers, [
+                planned.model, planned.captured.graph_module, *planned.modules, *new.modules])
+            with self.ctx.guard("gathering of the sharded parameters for the move"):
+                unsharded.gather()
         moves = plan_moves(holders(planned.model, planned.modules, planned.schedule.placement),
                            holders(new.model, new.modules, new.schedule.placement),
                            self.ctx.layout.pp_rank)
-        optimizers = self.optimizers.alive()
         if not optimizers:
             log.warning(
                 "hybridpipe: re-balancing with no known optimizer on %s (none made by "
@@ -216,7 +226,12 @@ class DistributedReplan:
         mover.commit(staged)  # every process has what it needs: no failure leaves a mix
         for zero in zeros:
             zero.rebuild()
+        if unsharded is not None:
+            unsharded.stash_grads(planned.model)
         adopt(new)
+        if unsharded is not None:
+            with self.ctx.guard("re-sharding of the moved units' state"):
+                unsharded.reshard()
         self.last_move = MoveReport(time.perf_counter() - start, total_bytes(staged.values()),
                                     moves.moved)
         log.info("hybridpipe: moved %d tensors in %.3f s (%d bytes received here)",

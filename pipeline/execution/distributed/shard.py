@@ -65,11 +65,12 @@ class FullShard:
 
     At construction the stages' parameters become sharded DTensors, in the stage modules and
     in `model` (so ``model.named_parameters()`` and the Pipeline's name them as before);
-    `stale` maps the id of each old parameter to it while it lives. `gather` all-gathers the
-    parameters into the stages for a step or forward; `reduce` reduce-scatters (and averages)
-    the gradients the step left on them into the sharded parameters' `.grad` and frees the
-    gathered ones; `release` frees them without reducing (after a forward, or a failed step,
-    whose gradients are dropped)."""
+    `stale` maps the id of each old parameter to it while it lives, `sharded` to the sharded
+    one that replaced it (valid while the old one lives: a re-balance's move). `gather`
+    all-gathers the parameters into the stages for a step or forward; `reduce`
+    reduce-scatters (and averages) the gradients the step left on them into the sharded
+    parameters' `.grad` and frees the gathered ones; `release` frees them without reducing
+    (after a forward, or a failed step, whose gradients are dropped)."""
 
     def __init__(self, ctx: DistContext, model: nn.Module, stages: Sequence[nn.Module]) -> None:
         self.ctx = ctx
@@ -81,6 +82,7 @@ class FullShard:
         self.state = fully_shard.state(self.unit)  # type: ignore[attr-defined]
         self.state._lazy_init()  # the root's set-up, normally done by its first forward
         replaced: dict[int, Tensor] = {}
+        self.sharded = replaced
         # The old parameters, while anything (an optimizer built too early) holds them.
         self.stale: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         for s in stages:

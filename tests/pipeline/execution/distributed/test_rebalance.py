@@ -46,7 +46,8 @@ def _slow_down(model: nn.Module, slow: bool) -> None:
 
 
 def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
-         shard: str | None = None, resynthesize_at: int | None = None) -> tuple[Any, list[int]]:
+         shard: str | None = None, resynthesize_at: int | None = None,
+         optimizer: type[torch.optim.Optimizer] = torch.optim.Adam) -> tuple[Any, list[int]]:
     """Adam on the pipeline and the unsplit model; losses compared at every step, weights at
     the end; the last pipeline rank is the slow one. `auto`: rebalance=True from a plan
     balanced by parameters, else pipe.rebalance() after the third step of a profiled plan
@@ -54,7 +55,7 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
     batch and pipeline rank pp - 1 of every replica is slow; `shard`: the Pipeline's (its
     optimizer made by pipe.optimizer after the first step). `resynthesize_at`: after that
     step, switch to a schedule synthesised from the measured costs (threshold -1: whatever
-    it predicts).
+    it predicts). `optimizer`: the class both sides train with (lr 0.01).
     Returns the Pipeline and its first plan's sizes."""
     import torch.distributed as dist
 
@@ -68,8 +69,8 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
                     loss_fn=lm_loss, shard=shard,
                     balance="parameters" if auto else "profile", capture_method="fx",
                     rebalance=auto)
-    opt = None if shard else torch.optim.Adam(pipe.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = None if shard else optimizer(pipe.parameters(), lr=0.01)
+    ref_opt = optimizer(ref.parameters(), lr=0.01)
     first: list[int] = []
     for step in range(steps):
         x, y = global_batch(step, 8 * dp)
@@ -86,7 +87,7 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
         if step == resynthesize_at:
             assert pipe.resynthesize(threshold=-1.0).applied
             assert pipe.schedule.name == "synth", pipe.schedule
-        opt = opt or pipe.optimizer(torch.optim.Adam, lr=0.01)
+        opt = opt or pipe.optimizer(optimizer, lr=0.01)
         opt.step()
         torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=ATOL, rtol=0,
                                    msg=f"{schedule} pp={pp}: loss of step {step}")
@@ -120,6 +121,15 @@ def worker_dp2(out: Path) -> None:
     init_worker()
     _run(2, "1f1b", auto=True, dp=2, shard="optimizer")
     print("worker dp2: every check ran", flush=True)
+
+
+def worker_fsdp(out: Path) -> None:
+    """pp=2 x dp=2, 1F1B, shard="full" (FSDP2), AdamW, pipe.rebalance() after the third
+    step's backward: the moved units' parameters, gradients and AdamW moments (dim-0 shards
+    over the replicas) are gathered whole, moved, and sharded anew with the new stages."""
+    init_worker()
+    _run(2, "1f1b", auto=False, dp=2, shard="full", optimizer=torch.optim.AdamW)
+    print("worker fsdp: every check ran", flush=True)
 
 
 def worker_zb_pp4(out: Path) -> None:
@@ -167,6 +177,7 @@ WORKERS: dict[str, Callable[[Path], None]] = {
     "adam_1f1b": worker_adam_1f1b,
     "zb_pp4": worker_zb_pp4,
     "dp2": worker_dp2,
+    "fsdp": worker_fsdp,
     "fail_move": worker_fail_move,
 }
 
@@ -177,7 +188,7 @@ WORKERS: dict[str, Callable[[Path], None]] = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("worker", "world"), [("adam_1f1b", 2), ("zb_pp4", 4),
-                                                        ("dp2", 4)])
+                                                        ("dp2", 4), ("fsdp", 4)])
 def test_rebalance_moves_units_and_trains_exactly(tmp_path: Path, worker: str,
                                                   world: int) -> None:
     all_ok(launch(worker, world, tmp_path, script=__file__, deadline=240), worker)
