@@ -1,8 +1,12 @@
 """The model in its other train/eval mode. torch.export bakes each module's mode into the
 captured ops (dropout, batch norm), so running the model in another mode needs another capture;
 this one is made on a stand-in of the model with the same modules and modes and every
-parameter and buffer on the meta device (`meta_clone`), so that it copies no weight and every
-process can make it, also one that has freed the other stages' weights. Its stages are cut by
+parameter and buffer a fake tensor (`fake_clone`), so that it copies no weight and every
+process can make it, also one that has freed the other stages' weights. The fakes are on the
+device the first capture ran on (that of its inputs), not on meta: autocast acts by device type
+and not on meta tensors, so under a model's own ``torch.autocast`` block or the Pipeline's
+``mixed_precision`` a meta capture would record fp32 where the first one (and the run) has
+bf16, and its dtype checks would fail at run time. Its stages are cut by
 the running plan (`plan_onto`): the same units on the same stages, so each stage reads the same
 parameters and sends the same boundary tensors as before; only its code differs."""
 
@@ -15,7 +19,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
+from torch._functorch import config as functorch_config
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from partitioner import Captured, Plan, StageModule, capture, split_model
 
@@ -39,16 +47,27 @@ def shapes_of(model: nn.Module) -> dict[str, Shape]:
     }
 
 
-def meta_clone(model: nn.Module, shapes: dict[str, Shape]) -> nn.Module:
+def fake_mode() -> FakeTensorMode:
+    """A fake tensor mode that torch.export takes for its own (as `make_fake_inputs` builds
+    one), so that the stand-in's fake parameters and the inputs it fakes share it."""
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        return FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[], trace_asserts=True),
+                              allow_non_fake_inputs=True, export=True)
+
+
+def fake_clone(model: nn.Module, shapes: dict[str, Shape], mode: FakeTensorMode,
+               device: torch.device) -> nn.Module:
     """A copy of `model` (its modules, their modes and attributes) whose parameters and
-    buffers are meta tensors of the shapes in `shapes`: nothing is allocated, ties are kept."""
+    buffers are fake tensors of `mode` on `device`, of the shapes in `shapes`: nothing is
+    allocated, ties are kept."""
     memo: dict[int, Any] = {}
     for name, t in (*model.named_parameters(remove_duplicate=False),
                     *model.named_buffers(remove_duplicate=False)):
         if id(t) in memo:
             continue
         shape = shapes[name]
-        empty = torch.empty(shape.shape, dtype=shape.dtype, device="meta")
+        with mode:
+            empty = torch.empty(shape.shape, dtype=shape.dtype, device=device)
         memo[id(t)] = (nn.Parameter(empty, requires_grad=shape.requires_grad)
                        if shape.parameter else empty)
     return copy.deepcopy(model, memo)
@@ -80,12 +99,15 @@ def stages_in_mode(
     dynamic: frozenset[tuple[int, int]] | set[tuple[int, int]],
 ) -> list[StageModule]:
     """The stage modules of the model in the modes its modules have now, captured (export) on
-    a meta stand-in called with `rows` (the running capture's flat inputs, on meta) and cut by
-    `plan`; their parameters are the stand-in's: only their code is for running."""
-    clone = meta_clone(model, shapes)
-    meta_rows = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
-                         list(rows))
-    args, kwargs = tree_unflatten(meta_rows, call_spec)
-    captured = capture(clone, args, kwargs, leaf_modules=leaf_modules, method="export",
-                       dynamic_dims=set(dynamic))
+    a fake stand-in called with `rows` (the running capture's flat inputs, which export fakes)
+    and cut by `plan`; their parameters are the stand-in's: only their code is for running.
+    Called under the autocast the first capture ran under (`Precision.planning`)."""
+    device = next((t.device for t in rows if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
+    mode = fake_mode()
+    clone = fake_clone(model, shapes, mode, device)
+    args, kwargs = tree_unflatten(list(rows), call_spec)
+    with tracing(TracingContext(mode)):  # export fakes the inputs in the stand-in's mode
+        captured = capture(clone, args, kwargs, leaf_modules=leaf_modules, method="export",
+                           dynamic_dims=set(dynamic))
     return split_model(captured, plan_onto(plan, running, captured))

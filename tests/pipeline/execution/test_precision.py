@@ -16,8 +16,10 @@ that eager SDPA replaces by ``is_causal``, a different kernel (equal in fp32, no
 bf16), which is capture's doing, not the pipeline's.
 
 fp16 loss scaling is checked against torch.amp.GradScaler step by step (skips, backoff, growth,
-parameters), with an injected overflow, and through a checkpoint round trip. Autocast blocks
-inside forward and capture: tests/partitioner/test_precision_capture.py."""
+parameters), with an injected overflow, and through a checkpoint round trip. A switch to eval
+mode and back (the other mode captured on a fake stand-in) keeps the autocast dtypes: under
+``mixed_precision`` and with an autocast block in the model's forward. Autocast blocks inside
+forward and capture: tests/partitioner/test_precision_capture.py."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from pipeline import Pipeline
 from scheduler import SCHEDULES
@@ -232,6 +235,92 @@ def test_optimizer_step_without_scaling_just_steps() -> None:
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     with pytest.raises(TypeError, match="optimizer_step needs an optimizer"):
         pipe.optimizer_step(object())  # type: ignore[arg-type]
+
+
+# -- train/eval switches ------------------------------------------------------------------------
+
+
+class UpcastDropout(nn.Module):
+    """Dropout (so eval mode is another capture) and a ``.float()`` export checks the input
+    dtype of: bf16 under autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.drop, self.b = nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.a(x)).float())
+
+
+class AutocastBlockNorm(nn.Module):
+    """BatchNorm inside the model's own bf16 autocast block: eval mode is another capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.norm, self.b = nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.norm(self.a(x))
+        return self.b(h.float())
+
+
+def test_eval_switch_under_mixed_precision_equals_unsplit_autocast() -> None:
+    model = UpcastDropout()
+    x, y = float_batch()
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse,
+                    mixed_precision=torch.bfloat16)
+    pipe.step(x, y)
+    pipe.eval()
+    assert not model.training
+    with torch.no_grad():
+        got = pipe(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = torch.cat([model(c) for c in x.tensor_split(M)])
+        fp32 = torch.cat([model(c) for c in x.tensor_split(M)])
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert not torch.equal(got.float(), fp32)
+
+
+def _unsplit_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`ref` microbatch by microbatch as `Pipeline.step` runs it (grads and statistics kept)."""
+    total = torch.zeros(())
+    for xm, ym in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
+        loss = mse(ref(xm), ym) * (len(ym) / len(y))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def test_autocast_block_switches_to_eval_and_back_exactly() -> None:
+    model = AutocastBlockNorm()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(3):
+        x, y = float_batch(k)
+        if k:  # eval between training steps, then back to train mode
+            pipe.eval()
+            ref.eval()
+            with torch.no_grad():
+                got = pipe(x)
+                assert torch.equal(got, torch.cat([ref(c) for c in x.tensor_split(M)]))
+            pipe.train()
+            ref.train()
+        assert torch.equal(pipe.step(x, y), _unsplit_step(ref, x, y))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(),
+                                strict=True):
+            assert torch.equal(a, b), name
 
 
 # -- real models ----------------------------------------------------------------------------------
