@@ -3,7 +3,7 @@ pipeline/facade/modes.py).
 
 A transformers GPT-2 config (4 layers, 64 wide, dropout 0.1, sequence 64, batch 8) in
 Pipeline(stages=2, microbatches=4) on CPU, one process: a training step; the first switch to
-eval mode (the model captured once more, on a meta stand-in) with its evaluation; later
+eval mode (the model captured once more, on a fake stand-in) with its evaluation; later
 evaluations that switch (train step, pipe.eval(), evaluate, pipe.train()) and ones that do not;
 the process's peak RSS before and after the switches (no weight is copied). Medians over
 --repeats. Writes benchmarks/results/modes.md and .json.

@@ -2,8 +2,9 @@
 in, as in eager PyTorch. A torch.export capture bakes the modes into its ops (dropout, batch
 norm); when the modules' modes differ from what the held stages run, every process agrees on
 the switch and the stages take the code of the other modes (pipeline.planning.modes: captured
-once, on a meta stand-in, when first needed, cut by the running plan; kept for later
-switches), keeping their modules, parameters and buffers (pipeline.execution.stage_code)."""
+once, on a fake stand-in that copies no weight, when first needed, cut by the running plan;
+kept for later switches), keeping their modules, parameters and buffers
+(pipeline.execution.stage_code)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from partitioner import Captured, Plan, StageModule, capture, split_model
 
 
 class Shape(NamedTuple):
-    """What a meta stand-in of a parameter or buffer needs."""
+    """What a fake stand-in of a parameter or buffer needs."""
 
     shape: torch.Size
     dtype: torch.dtype

@@ -1,6 +1,6 @@
 """Train and evaluate under torchrun (pp=2 x dp=2, gloo, 4 processes): train steps interleaved
 with evaluations in eval mode (pipe.eval() / pipe.train(), the eval graph captured by every
-process on a meta stand-in after the other stages' weights were freed) give exactly the losses
+process on a fake stand-in after the other stages' weights were freed) give exactly the losses
 and weights of the unsplit model doing the same (float64, BatchNorm, export capture; 1f1b,
 interleaved-1f1b and zbv); with dropout, an evaluation after training equals the unsplit
 model's eval() loss on the gathered weights (also with shard="full": the stages' code switches
