@@ -177,3 +177,30 @@ def test_compiled_stages_switch_modes_too() -> None:
     pipe = Pipeline(model, stages=2, microbatches=4, loss_fn=F.cross_entropy,
                     compile={"backend": "eager"})
     train_and_evaluate(pipe, model, ref, m=4, steps=2)
+
+
+class ConstantsNet(nn.Module):
+    """Dropout, a tensor attribute that is neither parameter nor buffer, and a tensor made in
+    forward: the eval capture reads both as constants of the stages' code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.drop, self.b = nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 3)
+        self.scale = torch.linspace(0, 1, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.a(x)) * self.scale + torch.tensor([0.5]))
+
+
+def test_a_model_with_tensor_constants_switches_to_eval() -> None:
+    model = ConstantsNet().double()
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=F.cross_entropy)
+    pipe.step(*batch(0))
+    x, y = batch(1)
+    pipe.eval()
+    loss, out = pipe.evaluate(x, y, return_outputs=True)
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(loss, F.cross_entropy(want, y), atol=1e-12, rtol=0)
