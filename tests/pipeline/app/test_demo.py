@@ -26,6 +26,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # 12 steps of training, calibration and 9 files: ~12 s
 def test_demo_writes_every_file_and_loss_falls(tmp_path: Path) -> None:
     config = DemoConfig(steps=12, dim=32, layers=2, heads=2, seq_len=16, batch_size=8, lr=1e-2)
     summary = run_demo(tmp_path, config)
