@@ -109,9 +109,11 @@ def format_bytes(size: float) -> str:
     """A byte count as people read it: "512 B", "3.5 KiB", "31.4 MiB", "1.25 GiB"."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.3g} {unit}"
+            # 3 significant digits, but whole numbers from 100 up ("1000 MiB", not "1e+03")
+            return f"{size:.0f} {unit}" if unit == "B" or abs(size) >= 100 else (
+                f"{size:.3g} {unit}")
         size /= 1024
-    return f"{size:.3g} GiB"
+    return f"{size:.0f} GiB"
 
 
 def format_amount(amount: float, unit: str) -> str:

@@ -113,3 +113,5 @@ def test_format() -> None:
     assert metrics.format_flops(4.12e14) == "412 TFLOP"
     assert metrics.format_bytes(31.4 * 2**20) == "31.4 MiB"
     assert metrics.format_bytes(512) == "512 B"
+    assert metrics.format_bytes(1000 * 2**20) == "1000 MiB"  # not "1e+03 MiB"
+    assert metrics.format_bytes(2.5 * 2**40) == "2560 GiB"
