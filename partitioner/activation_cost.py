@@ -4,7 +4,8 @@ written onto the graph's units, so a stage's price under any partition is a sum 
 
 - ``kept_none`` / ``kept_full`` / ``kept_selective``: bytes the block keeps for its backward
   per microbatch under "none", "full" (its inputs) and "selective" (its inputs and the
-  outputs of the saved ops), counted with `saved_bytes.SavedBytes` as the runtime does;
+  outputs `selective_keep.keep_plan` chooses, by the rule the runtime runs), counted with
+  `saved_bytes.SavedBytes` as the runtime does;
   with ``_later``, the same in a stage after the first, whose runtime makes every float
   input need grad (a rotary table received from the stage before, say). A value an earlier
   block read too counts with that block only; ``shared_reads`` names such values and their
@@ -13,6 +14,8 @@ written onto the graph's units, so a stage's price under any partition is a sum 
   "selective" take beyond a plain one (recomputation, and the checkpoint and op-caching
   machinery), over the plain one's; timed block by block, each the fastest of a few trials,
   and summed over the whole model (one block is too short to time on a busy machine);
+- ``recompute_flops_full`` / ``recompute_flops_selective``: FLOPs of the matmuls,
+  convolutions and attention (the candidate ops) that a recomputation under each runs;
 - ``offload_time``: seconds to move the "none" bytes to host memory one way (at the copy
   bandwidth measured on the block's device; pinned host memory on CUDA); None on a CPU
   device, where "offload" moves nothing.
@@ -29,12 +32,13 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from partitioner.blocks import BlockChain, block_key
 from partitioner.captured import Captured
 from partitioner.sandbox import sandbox
 from partitioner.saved_bytes import SavedBytes
+from partitioner.selective_keep import KeepPlan, keep_plan
 
 _TRIALS = 3
 
@@ -107,12 +111,25 @@ def copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
     return nbytes / seconds if seconds > 0 else float("inf")
 
 
+def _runs(module: torch.nn.Module, plan: KeepPlan) -> dict[str, Callable[..., Any]]:
+    """The block's forward under "none", "full" and "selective" (keeping `plan`'s outputs)."""
+    return {
+        "none": module,
+        "full": lambda *a: checkpoint(module, *a, use_reentrant=False),
+        "selective": lambda *a: checkpoint(
+            module, *a, use_reentrant=False, respect_saved_tensors_hooks=True,
+            context_fn=plan.contexts),
+    }
+
+
 def price_policies(
-    captured: Captured, example_inputs: tuple[Any, ...], save_ops: Sequence[Any]
+    captured: Captured, example_inputs: tuple[Any, ...], save_ops: Sequence[Any],
+    budget: float | None,
 ) -> None:
     """Write each policy's price (see the module docstring) onto the units of `captured`,
     measured on `example_inputs` (flat, as the graph's inputs) on the device the model's
-    parameters are on; `save_ops`: the ops "selective" keeps."""
+    parameters are on; `save_ops` and `budget`: the candidate ops "selective" may keep and
+    its byte budget (selective_keep)."""
     gm, unit_of, order, graph = (captured.graph_module, captured.unit_of, captured.order,
                                  captured.graph)
     model = captured.model
@@ -124,6 +141,7 @@ def price_policies(
         graph.nodes[name].update(
             {f"kept_{p}{suffix}": 0.0 for p in ("none", "full", "selective")
              for suffix in ("", "_later")},
+            recompute_flops_full=0.0, recompute_flops_selective=0.0,
             offload_time=None if bandwidth is None else 0.0)
     values = dict(zip((n.name for n in chain.placeholders), example_inputs, strict=False))
     read: set[str] = set()  # values read by a block already
@@ -132,24 +150,22 @@ def price_policies(
         for block in chain.blocks:
             module = block.module
             args = [values[n] for n in block.inputs]
-            runs: dict[str, Callable[..., Any]] = {
-                "none": module,
-                "full": lambda *a, m=module: checkpoint(m, *a, use_reentrant=False),
-                "selective": lambda *a, m=module: checkpoint(
-                    m, *a, use_reentrant=False, respect_saved_tensors_hooks=True,
-                    context_fn=lambda: create_selective_checkpoint_contexts(save)),
-            }
+            plans = {every_float: keep_plan(module, _leaves(args, every_float), save, budget)
+                     for every_float in (False, True)}
+            runs = _runs(module, plans[False])
             shared = [n in read for n in block.inputs]
             read.update(block.inputs)
-            kept = {f"kept_{p}{suffix}": _kept(run, args, every_float, shared)
-                    for p, run in runs.items()
-                    for suffix, every_float in (("", False), ("_later", True))}
+            kept = {f"kept_{p}{suffix}": _kept(_runs(module, plans[every_float])[p], args,
+                                               every_float, shared)
+                    for p in runs for suffix, every_float in (("", False), ("_later", True))}
             first = next((n.name for n in module.graph.nodes
                           if n.name in unit_of and block_key(n) is not None),
                          next(n.name for n in module.graph.nodes if n.name in unit_of))
             unit = graph.nodes[order[unit_of[first]]]
             unit.update(
-                **kept, offload_time=None if bandwidth is None else kept["kept_none"] / bandwidth,
+                **kept, recompute_flops_full=plans[False].full_recompute_flops,
+                recompute_flops_selective=plans[False].recompute_flops,
+                offload_time=None if bandwidth is None else kept["kept_none"] / bandwidth,
                 shared_reads={**unit.get("shared_reads", {}), **{
                     n: _nbytes(values[n]) for n, s in zip(block.inputs, shared, strict=True)
                     if s and isinstance(values[n], torch.Tensor)}},

@@ -7,8 +7,10 @@ pipeline.planning.activation_plan), or one policy per stage.
 - "none": keep every tensor the backward needs (fastest, most memory).
 - "full": keep each block's inputs only and recompute the block in the backward, one block
   at a time (partitioner.blocks; torch.utils.checkpoint per block).
-- "selective": keep each block's inputs and the outputs of the ops in `Selective.save`
-  (matmuls, convolutions, attention), recompute the rest (op-level selective activation
+- "selective": keep each block's inputs and some outputs of the ops in `Selective.save`
+  (matmuls, convolutions, attention): those with the most recompute FLOPs per byte, within
+  `Selective.budget` (half the block's "none" bytes), among the ones its recomputation would
+  run (partitioner.selective_keep); recompute the rest (op-level selective activation
   checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 - "offload": keep every tensor, in pinned host memory (``torch.autograd.graph.save_on_cpu``;
   pipeline.execution.activations.offload); on a CPU device nothing moves ("none").
@@ -39,19 +41,27 @@ SELECTIVE_SAVE_OPS: tuple[torch._ops.OpOverload, ...] = (
     _aten._efficient_attention_forward.default,
     _aten._scaled_mm.default,
 )
-"""The ops whose outputs "selective" keeps by default: the matmuls, convolutions and fused
+"""The ops whose outputs "selective" may keep by default: the matmuls, convolutions and fused
 attention kernels (the expensive ops); everything else (norms, activations, dropout, adds,
 views, softmax of unfused attention) is recomputed."""
+
+SELECTIVE_BUDGET = 0.5
+"""What "selective" keeps of a block at most by default, as a fraction of the bytes the block
+keeps under "none" (its inputs included)."""
 
 
 @dataclass(frozen=True)
 class Selective:
-    """Op-level selective recompute keeping the outputs of the `save` ops (ATen overloads such
-    as ``torch.ops.aten.mm.default``), e.g. ``Selective(save=(torch.ops.aten.mm.default,))``
-    to keep only plain matmuls. ``checkpoint_activations="selective"`` is
-    ``Selective()``."""
+    """Op-level selective recompute keeping, per block, outputs of the `save` ops (ATen
+    overloads such as ``torch.ops.aten.mm.default``): the ones with the most recompute FLOPs
+    per byte that the block's recomputation would run, while the block keeps at most
+    `budget` x its "none" bytes (its inputs included); ``budget=None`` keeps every such
+    output (partitioner.selective_keep states the rule). E.g.
+    ``Selective(save=(torch.ops.aten.mm.default,), budget=None)`` keeps every plain matmul
+    output. ``checkpoint_activations="selective"`` is ``Selective()``."""
 
     save: tuple[torch._ops.OpOverload, ...] = SELECTIVE_SAVE_OPS
+    budget: float | None = SELECTIVE_BUDGET
 
     def __post_init__(self) -> None:
         bad = [op for op in self.save if not isinstance(op, torch._ops.OpOverload)]
@@ -59,6 +69,13 @@ class Selective:
             raise TypeError(
                 f"Selective(save=...) takes ATen op overloads such as "
                 f"torch.ops.aten.mm.default; got {bad!r}"
+            )
+        budget = self.budget
+        if budget is not None and (isinstance(budget, bool) or
+                                   not isinstance(budget, (int, float)) or not 0 <= budget <= 1):
+            raise ValueError(
+                f"Selective(budget={budget!r}): give the fraction of a block's \"none\" bytes "
+                "it may keep, from 0 to 1, or None to keep every saved op's output"
             )
 
     def __str__(self) -> str:

@@ -30,7 +30,7 @@ from partitioner.activation_cost import price_policies
 from partitioner.estimate import estimate
 from partitioner.rebind import rebind
 from pipeline.planning.activation_plan import planned_activations
-from pipeline.planning.activation_policies import SELECTIVE_SAVE_OPS
+from pipeline.planning.activation_policies import SELECTIVE_BUDGET, SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
 from pipeline.planning.costs import stage_costs
 from pipeline.planning.decision import (
@@ -302,7 +302,7 @@ class Planner:
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
             measure(captured, self.model, example, how.device)
             if self.auto_activations:
-                price_policies(captured, example, SELECTIVE_SAVE_OPS)
+                price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
         profiled = captured if auto.microbatches == m else None  # reused: same microbatch
         if profiled is None:
@@ -357,7 +357,7 @@ class Planner:
             with how.phase("profiling of the model"):
                 measure(captured, self.model, example, how.device)
                 if self.auto_activations:
-                    price_policies(captured, example, SELECTIVE_SAVE_OPS)
+                    price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET)
         with how.phase("partitioning of the model"):
             plan = partition(captured, schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if costed else None

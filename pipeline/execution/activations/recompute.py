@@ -1,8 +1,10 @@
 """A stage's training forward under a recompute policy ("full" or "selective"): its blocks
 (partitioner.blocks) run one by one, each under non-reentrant
 ``torch.utils.checkpoint``, so the backward recomputes one block at a time. "selective" adds
-torch's op-level selective checkpointing: the outputs of the `Selective.save` ops are kept
-and only the other ops are recomputed.
+torch's op-level selective checkpointing: the outputs of the `Selective.save` ops that
+partitioner.selective_keep plans for the block (decided at the block's first forward, from a
+probing forward under the same guards as a recomputation) are kept, and only the other ops
+are recomputed.
 
 Recomputation replays each block with the RNG state its forward started from (dropout draws
 the same numbers; checkpoint's ``preserve_rng_state``), under the autocast the block's own
@@ -16,9 +18,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from partitioner.blocks import BlockChain
+from partitioner.selective_keep import KeepPlan, keep_plan
 from pipeline.planning.activation_policies import Selective
 
 
@@ -40,16 +43,27 @@ def recomputed(
     `wrap(block)` is how one block is called (e.g. under autocast)."""
     chain = BlockChain(stage)  # type: ignore[arg-type]  # a StageModule is an fx.GraphModule
     runs = {id(b.module): wrap(b.module) for b in chain.blocks}
+    plans: dict[int, KeepPlan] = {}  # per block, once
 
-    def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        if isinstance(policy, Selective):
-            keep, replay = create_selective_checkpoint_contexts(list(policy.save))
+    def contexts_of(plan: KeepPlan | None) -> Callable[[], Any]:
+        def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+            if plan is None:
+                return nullcontext(), restoring()
+            keep, replay = plan.contexts()
             return keep, _both(replay, restoring())
-        return nullcontext(), restoring()
+        return contexts
 
     def run_block(block: nn.Module, *values: Any) -> Any:
+        run = runs[id(block)]
+        plan = None
+        if isinstance(policy, Selective):
+            plan = plans.get(id(block))
+            if plan is None:
+                with restoring():  # the probe leaves running statistics as they were
+                    plan = plans[id(block)] = keep_plan(run, values, policy.save,
+                                                        policy.budget)
         return checkpoint(
-            runs[id(block)], *values, use_reentrant=False, context_fn=contexts,
+            run, *values, use_reentrant=False, context_fn=contexts_of(plan),
             respect_saved_tensors_hooks=True,
         )
 

@@ -70,8 +70,15 @@ def test_selective_takes_op_overloads() -> None:
         Selective(save=("mm",))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("budget", [1.5, -0.1, "half", True])
+def test_selective_budget_is_a_fraction(budget: object) -> None:
+    with pytest.raises(ValueError, match=r"Selective\(budget=.*from 0 to 1, or None"):
+        Selective(budget=budget)  # type: ignore[arg-type]
+
+
 POLICIES: list[object] = [False, True, "none", "full", "selective", "offload",
-                          Selective(save=(torch.ops.aten.mm.default,))]
+                          Selective(save=(torch.ops.aten.mm.default,)),
+                          Selective(budget=None), Selective(budget=0.2)]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

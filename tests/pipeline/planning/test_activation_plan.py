@@ -98,7 +98,7 @@ def test_auto_fits_the_limit_exactly_and_as_predicted() -> None:
 
 def test_prices_of_a_transformer_block() -> None:
     """"full" keeps a block's input only (rows x seq x dim float64 values); "selective" keeps
-    more (the matmul and attention outputs) and "none" more still."""
+    more (some matmul outputs), at most half of what "none" keeps."""
     x, _ = token_batch(0, rows=4)
     model = make_model()
     pipe = Pipeline(model, 2, microbatches=2, loss_fn=lm_loss, example_input=x,
@@ -107,7 +107,7 @@ def test_prices_of_a_transformer_block() -> None:
     block = nodes["blocks_1"]
     rows, seq, dim = 2, x.shape[1], 16
     assert block["kept_full"] == rows * seq * dim * 8
-    assert block["kept_full"] < block["kept_selective"] < block["kept_none"]
+    assert block["kept_full"] < block["kept_selective"] <= 0.5 * block["kept_none"]
     prices = stage_costs(pipe.captured, pipe.plan).prices
     assert prices is not None and prices.kept["offload"] == prices.kept["none"]  # on CPU
 
@@ -127,3 +127,21 @@ def test_auto_joins_the_auto_plan_search() -> None:
     assert best.max_memory <= limit
     assert pipe.plan.activations is not None
     pipe.step(x, y)
+
+
+def test_selective_keeps_what_the_planner_predicts() -> None:
+    """The runtime decides what "selective" keeps per block by the rule the prices measured:
+    each rank's counted peak within 10% of the prediction."""
+    x, y = token_batch(0, rows=8)
+    model = make_model()
+    roomy = Pipeline(model, 2, microbatches=4, loss_fn=lm_loss, example_input=x,
+                     checkpoint_activations="auto", memory_limit=1e12)
+    prices = stage_costs(roomy.captured, roomy.plan).prices
+    assert prices is not None
+    predicted = peaks(roomy.schedule, prices, ["selective", "selective"])
+    pipe = Pipeline(model, 2, microbatches=4, loss_fn=lm_loss, example_input=x,
+                    checkpoint_activations="selective")
+    meters = pipe.count_saved_activations()
+    pipe.step(x, y)
+    for rank in range(2):
+        assert abs(meters[rank].peak - predicted[rank]) <= 0.1 * meters[rank].peak
