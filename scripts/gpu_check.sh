@@ -4,7 +4,7 @@
 # local executor on CUDA streams for four schedules; bf16 and fp16 mixed precision on CUDA
 # against the unsplit model under torch.autocast("cuda") and torch.amp.GradScaler; Llama captured on CPU then run
 # on CUDA, exact in float64; every activation policy on CUDA (offload keeping nothing on the
-# device); an autocast block captured on CPU that must run under CUDA
+# device; its copies on a side stream, the device memory freed, the backward bit-exact); an autocast block captured on CPU that must run under CUDA
 # autocast), compiled stages on CUDA (tests/pipeline/execution/test_compile.py -m cuda: inductor
 # with mode="max-autotune-no-cudagraphs", 1F1B and ZB-H1 against the eager pipeline), the CPU
 # mixed-precision tests, and a short bf16-vs-fp32 step timing on the GPU,

@@ -171,3 +171,39 @@ def test_real_models_under_a_policy(name: str, policy: object) -> None:
         keys = {block_key(n) for stage in pipe.stage_modules
                 for b in BlockChain(stage).blocks for n in b.module.graph.nodes}
         assert "albert.encoder.albert_layer_groups.0@1" in keys
+
+
+def _saves(block: nn.Module, x: torch.Tensor) -> int:
+    """How many tensors the block's forward saves that are not parameters (or their views)."""
+    count = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        count[0] += not (base.is_leaf and base.requires_grad)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x.clone())
+    return count[0]
+
+
+def test_offload_hooks_copy_out_and_back_exactly() -> None:
+    """The offload hooks' bookkeeping, run on CPU (copies within host memory): every saved
+    tensor but the parameters goes out, comes back for the backward (twice under
+    retain_graph, as a split backward's W reads it again) and the grads are exact."""
+    from pipeline.app.models import TransformerBlock
+    from pipeline.execution.activations.offload import Offloader
+
+    torch.manual_seed(0)
+    block = TransformerBlock(16, 2).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(block(x.clone()).sum(), [x, *block.parameters()])
+    offloader = Offloader(torch.device("cpu"))
+    with offloader.hooks():
+        out = block(x.clone())
+    assert offloader.copied == _saves(block, x) > 0
+    first = torch.autograd.grad(out.sum(), [x], retain_graph=True)
+    got = torch.autograd.grad(out.sum(), [x, *block.parameters()])
+    torch.testing.assert_close(first[0], want[0], atol=0, rtol=0)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)

@@ -100,6 +100,42 @@ def test_activation_policies_on_cuda(policy: str) -> None:
         assert all(units[v]["offload_time"] is not None for v in pipe.captured.order)
 
 
+def test_offload_copies_on_a_side_stream_and_frees_the_device() -> None:
+    """The offload hooks on CUDA: after a transformer block's forward the device holds its
+    output, not its saved tensors (they went to pinned host memory on the side stream, and
+    the allocator freed them once the copies were done); they come back for an exact
+    backward (float64, bit for bit)."""
+    from contextlib import AbstractContextManager, nullcontext
+
+    from pipeline.app.models import TransformerBlock
+    from pipeline.execution.activations.offload import Offloader
+
+    device = torch.device("cuda:0")
+    torch.manual_seed(0)
+    block = TransformerBlock(64, 4).double().to(device)
+    x = torch.randn(4, 32, 64, dtype=torch.float64, device=device)
+
+    def run(hooks: AbstractContextManager[object]) -> tuple[int, list[torch.Tensor]]:
+        leaf = x.clone().requires_grad_()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        with hooks:
+            out = block(leaf.clone())
+        torch.cuda.synchronize(device)
+        torch.empty(1, device=device)  # the allocator frees blocks whose copies are done
+        held = torch.cuda.memory_allocated(device) - before
+        return held, list(torch.autograd.grad(out.sum(), [leaf, *block.parameters()]))
+
+    none_held, want = run(nullcontext())
+    offloader = Offloader(device)
+    assert offloader.stream != torch.cuda.current_stream(device)
+    held, got = run(offloader.hooks())
+    assert offloader.copied > 0
+    assert held <= 0.25 * none_held, (held, none_held)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
 # -- mixed precision and capture-on-CPU-then-run-on-CUDA (scripts/gpu_check.sh runs these) -------
 
 
