@@ -56,8 +56,9 @@ class Executor(ABC):
         self.compile: CompileOptions | None = None  # the Pipeline's compile= (set before `load`)
         self.compile_stats = CompileStats()
 
-    def runnable(self, module: StageModule) -> nn.Module:
-        """What runs `module` in a step: the module itself, or its compiled form (compile=)."""
+    def runnable(self, module: StageModule, splits: bool) -> nn.Module:
+        """What runs `module` in a step: the module itself, or its compiled form (compile=).
+        `splits`: the schedule splits the backward into B and W."""
         if self.compile is None:
             return module
         if self.shard == "full":
@@ -66,7 +67,7 @@ class Executor(ABC):
                 "stage module, which the compiled stage does not call; use shard='optimizer' "
                 "or None to compile")
             return module
-        return compiled_stage(module, self.compile, self.compile_stats)
+        return compiled_stage(module, self.compile, self.compile_stats, splits=splits)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -153,7 +154,9 @@ class Executor(ABC):
         for s, module in held.items():
             adopt(module, codes[s], self.devices[self._schedule.placement[s]])
         for runtime in self._runtimes():  # a compiled stage is compiled from the new code
-            runtime.restage({s: self.runnable(held[s]) for s in runtime.stages})
+            runtime.restage({
+                s: self.runnable(held[s], self._schedule.splits_backward) for s in runtime.stages
+            })
 
     @abstractmethod
     def held(self) -> dict[int, StageModule]:

@@ -242,7 +242,8 @@ class LocalExecutor(Executor):
             RankRuntime(
                 rank,
                 schedule,
-                {s: self.runnable(planned.modules[s]) for s in schedule.stages_of(rank)},
+                {s: self.runnable(planned.modules[s], schedule.splits_backward)
+                 for s in schedule.stages_of(rank)},
                 LocalTransport(
                     rank, self.devices, self.mailboxes, self.copy_streams, self.abort,
                     self.timeout,

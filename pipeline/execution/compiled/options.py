@@ -1,13 +1,23 @@
 """`Pipeline(compile=...)`: the checked torch.compile settings (`CompileOptions`) and how a
-graph is compiled with them."""
+graph is compiled with them.
+
+The graphs compiled here are AOTAutograd's (ATen, functional, one per region and direction)
+and each is run only for the input signature it was built for (the runner keys its artefacts
+by it). With inductor they are therefore compiled by `torch._inductor.standalone_compile`,
+not through torch.compile's frame evaluation: a call then skips Dynamo's guard checks, which
+cost about a third of a small block's compiled call, paid per region, microbatch and
+direction. Other backends, `dynamic=True` and CUDA-graph modes go through torch.compile."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._inductor
+from torch import Tensor
 
 _KEYS = ("mode", "backend", "dynamic", "fullgraph", "options")
 
@@ -24,10 +34,24 @@ class CompileOptions:
 
     def compile(self, gm: Callable[..., Any]) -> Callable[..., Any]:
         """`gm` compiled (lazily, on its first call, as torch.compile does)."""
+        patches = self._inductor_patches()
+        if patches is not None and isinstance(gm, torch.fx.GraphModule):
+            return _Standalone(gm, patches)
         return torch.compile(
             gm, backend=self.backend, mode=self.mode, dynamic=self.dynamic,
             fullgraph=self.fullgraph, options=dict(self.options) or None,
         )
+
+    def _inductor_patches(self) -> dict[str, Any] | None:
+        """Inductor's settings for a standalone compile (the mode's and `options`), or None
+        where torch.compile must do it: another backend, dynamic shapes, CUDA graphs."""
+        if self.backend != "inductor" or self.dynamic:
+            return None
+        patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
+        patches.update(self.options)
+        if patches.get("triton.cudagraphs"):
+            return None
+        return patches
 
     def key(self) -> tuple[Any, ...]:
         """What distinguishes two settings' artefacts."""
@@ -75,3 +99,24 @@ def compile_options(value: object) -> CompileOptions | None:
     if not isinstance(fullgraph, bool):
         raise TypeError(f"compile fullgraph must be True or False, got {fullgraph!r}")
     return CompileOptions(backend, mode, dynamic, fullgraph, dict(value.get("options") or {}))
+
+
+_COMPILING = threading.Lock()  # inductor's settings are patched process-wide while compiling
+
+
+class _Standalone:
+    """An ATen graph compiled by inductor on its first call, for that call's signature."""
+
+    def __init__(self, gm: torch.fx.GraphModule, patches: dict[str, Any]) -> None:
+        self.gm = gm
+        self.patches = patches
+        self.run: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Tensor) -> Any:
+        if self.run is None:
+            with _COMPILING:
+                self.run = torch._inductor.standalone_compile(
+                    self.gm, list(args), dynamic_shapes="from_example_inputs",
+                    options={"config_patches": self.patches},
+                )
+        return self.run(*args)

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,12 +180,13 @@ class RegionFunction(torch.autograd.Function):
     """A compiled region as one autograd node (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, art: Artefact, device_type: str, *flat: Tensor) -> Any:
+    def forward(ctx: Any, art: Artefact, device_type: str, splits: bool, *flat: Tensor) -> Any:
         joint = art.joint
-        with torch.autocast(device_type, enabled=False):  # casts are in the traced graph
+        with _no_autocast(device_type):  # casts are in the traced graph
             result = art.forward(art.stats, *flat)
         outputs = result[: joint.num_outputs]
         ctx.art, ctx.device_type, ctx.count, ctx.pending = art, device_type, len(flat), None
+        ctx.splits = splits
         ctx.save_for_backward(*result[joint.num_outputs:])
         ctx.mark_non_differentiable(
             *(o for i, o in enumerate(outputs) if i not in joint.tangents)
@@ -195,11 +196,12 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
         art: Artefact = ctx.art
-        joint, split, stats = art.joint, art.joint.split, art.stats
+        # Unless the schedule splits the backward, every call wants the whole backward.
+        joint, split, stats = art.joint, art.joint.split if ctx.splits else None, art.stats
         saved = ctx.saved_tensors
         tangents = [grads[i].contiguous() for i in joint.tangents]
         out: list[Tensor | None] = [None] * ctx.count
-        with torch.autocast(ctx.device_type, enabled=False):
+        with _no_autocast(ctx.device_type):
             need_x = split is not None and _will_run(ctx, split.inputs)
             need_w = split is not None and _will_run(ctx, split.weights)
             if split is None or art.input_grad is None or art.weight_grad is None or (
@@ -223,7 +225,14 @@ class RegionFunction(torch.autograd.Function):
                 whole = art.backward(stats, *saved, *tangents)
                 for i in split.weights:
                     out[i] = whole[i]
-        return (None, None, *out)
+        return (None, None, None, *out)
+
+
+def _no_autocast(device_type: str) -> AbstractContextManager[Any]:
+    """Autocast off (the casts are in the traced graphs), entered only where it is on."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def _gate(t: Tensor) -> Tensor:
@@ -261,8 +270,9 @@ class RegionRunner:
     """Called by the driver as ``runner(*attrs, *inputs)``; returns the region's outputs."""
 
     def __init__(self, region: Region, owner: nn.Module, options: CompileOptions,
-                 stats: CompileStats, where: str) -> None:
+                 stats: CompileStats, where: str, splits: bool) -> None:
         self.gm = canonical(region, owner)
+        self.splits = splits  # the schedule splits the backward into B and W
         self.name = f"{where} region {region.name!r}"
         self.options = options
         self.stats = stats
@@ -279,6 +289,8 @@ class RegionRunner:
             id(c) for n in self.gm.graph.nodes for c in (*n.args, *n.kwargs.values())
             if isinstance(c, Tensor)
         )
+        # What equal regions share (the part of an artefact's key fixed for this region).
+        self.same = (self.code, self.constants, self.modules, options.key())
         self.signatures: set[tuple[Any, ...]] = set()
         self.eager: str | None = None
         self.__name__ = f"compiled_{region.name.replace('.', '_').replace('@', '_')}"
@@ -299,9 +311,11 @@ class RegionRunner:
         if isinstance(art, str):
             return self.run(*flat)
         if isinstance(art, _Compiled):
-            with torch.autocast(device_type, enabled=False):
+            with _no_autocast(device_type):
                 return art(self.stats, *flat)
-        return RegionFunction.apply(art, device_type, *map(_gate, flat))
+        if not self.splits:  # the whole backward always: no need to ask what it wants
+            return RegionFunction.apply(art, device_type, False, *flat)
+        return RegionFunction.apply(art, device_type, True, *map(_gate, flat))
 
     def run(self, *flat: Any) -> Any:
         """The region as it is (eager): attrs, states of the modules called whole, inputs."""
@@ -312,9 +326,7 @@ class RegionRunner:
         return functional_call(self.gm, state, (*flat[:a], *flat[a + s :]))
 
     def _artefact(self, flat: Sequence[Any], training: bool, device_type: str) -> Any:
-        key = (self.code, self.constants, self.modules, self.options.key(), _signature(flat),
-               training,
-               _autocast_state(device_type))
+        key = (self.same, _signature(flat), training, _autocast_state(device_type))
         art = _ARTEFACTS.get(key)
         if art is not None:
             if key not in self.signatures:

@@ -15,13 +15,14 @@ from pipeline.execution.compiled.runner import CompileStats, RegionRunner
 
 
 def compiled_stage(
-    stage: StageModule, options: CompileOptions, stats: CompileStats
+    stage: StageModule, options: CompileOptions, stats: CompileStats, *, splits: bool = False
 ) -> fx.GraphModule:
     """A module that runs `stage` (same inputs, outputs, parameters and their names) through
-    compiled regions."""
+    compiled regions. `splits`: the schedule splits the backward into B (input grads) and W
+    (weight grads), so each region's backward asks which of them a call wants."""
     regions = regions_of(stage)
     where = f"stage {stage.index}"
-    runners = [RegionRunner(region, stage, options, stats, where) for region in regions]
+    runners = [RegionRunner(region, stage, options, stats, where, splits) for region in regions]
     driver = outline(stage, regions, runners)
     driver.input_names = list(stage.input_names)  # type: ignore[assignment]
     driver.output_names = list(stage.output_names)  # type: ignore[assignment]

@@ -154,7 +154,8 @@ class DistributedExecutor(Executor):
             self.runtime = RankRuntime(
                 self.layout.pp_rank,
                 self._schedule,
-                {s: self.runnable(m) for s, m in self._mine.items()},
+                {s: self.runnable(m, self._schedule.splits_backward)
+                 for s, m in self._mine.items()},
                 self.transport,
                 device=self.context.device,
                 loss_fn=self.loss_fn,
