@@ -4,9 +4,11 @@ version live once every process's files and checksum lists are written. One save
 at a time; its outcome (an error, a full disk named as such) comes back at `wait`, which the
 next save calls.
 
-Under torch.distributed the background writes coordinate over a gloo process group of their
-own, made at the first asynchronous save (every process saves at the same step, so the
-groups are made in the same order everywhere), so they never interleave with the training's
+Under torch.distributed each process's background write runs on its own (no collectives:
+pipeline.checkpoint.parts), and global rank 0 waits for the others' files in the checkpoint
+directory. `wait` learns whether any process failed over a gloo process group of the writer's
+own, made at the first asynchronous save (every process saves at the same step, so the groups
+are made in the same order everywhere), so it never interleaves with the training's
 collectives on the default group."""
 
 from __future__ import annotations
@@ -63,24 +65,21 @@ class AsyncWriter:
         version) or, on failure, `discard`. The caller has waited for the previous save."""
         if self._done is not None:
             raise RuntimeError("a checkpoint save is still in flight; call wait() first")
-        group = None
-        if self._ctx is not None:
-            if self._group is None:
-                made = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-                if not isinstance(made, dist.ProcessGroup):
-                    raise RuntimeError("this process is not in the checkpoint's process group")
-                self._group = made
-            group = self._group
+        if self._ctx is not None and self._group is None:
+            made = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            if not isinstance(made, dist.ProcessGroup):
+                raise RuntimeError("this process is not in the checkpoint's process group")
+            self._group = made
         done = threading.Event()
         self._error, self._where = None, (root, need)
 
-        storage = ChecksummingWriter(version)
         rank, world = (0, 1) if self._ctx is None else (dist.get_rank(), dist.get_world_size())
+        storage = ChecksummingWriter(version, rank)
 
         def ended(future: Any) -> None:
             try:
                 future.result()
-                write_rank_checksums(version, rank, storage.sums)
+                write_rank_checksums(version, rank, storage.sums)  # after its index part
                 if finish is not None:
                     self._await_checksums(version, world)
                     finish()
@@ -90,11 +89,8 @@ class AsyncWriter:
             finally:
                 done.set()
 
-        with _single_process_quiet():
-            future = dcp.async_save(
-                tensors, storage_writer=storage, process_group=group,
-                no_dist=self._ctx is None,
-            )
+        with _single_process_quiet():  # each process on its own: no DCP collectives
+            future = dcp.async_save(tensors, storage_writer=storage, no_dist=True)
         self._done = done
         # A Future: FileSystemWriter stages (copies) before async_save returns.
         cast(Future, future).add_done_callback(ended)

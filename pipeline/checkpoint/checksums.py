@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import crc32c
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from pipeline.checkpoint.parts import RankWriter
 
 ALGORITHM = "crc32c"
 PREFIX = "checksums-"
@@ -86,11 +87,12 @@ class _ChecksummingFileSystem(FileSystem):
             self.sums[Path(path).name] = [stream.size, stream.crc]
 
 
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that checksums the shard files it writes (`sums`)."""
+class ChecksummingWriter(RankWriter):
+    """Process `rank`'s DCP writer (`RankWriter`) that checksums the shard files it writes
+    (`sums`)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], rank: int) -> None:
+        super().__init__(path, rank)
         self.sums: Sums = {}
         self.fs = _ChecksummingFileSystem(self.sums)
 

@@ -1,5 +1,6 @@
 """The checkpoint entry points: `save_checkpoint` (every process writes its own stages' model
-and optimizer tensors with DCP, global rank 0 the metadata, then the new version goes live)
+and optimizer tensors with DCP on its own, no collectives (pipeline.checkpoint.parts); global
+rank 0 merges DCP's index and writes the metadata, then the new version goes live)
 and `load_checkpoint` (everything checked and read before anything changes), with
 `read_checkpoint` for the live version's metadata."""
 
@@ -60,6 +61,7 @@ from pipeline.checkpoint.optim import (
     _param_names,
     _qualname,
 )
+from pipeline.checkpoint.parts import merge_parts
 from pipeline.checkpoint.state import (
     TensorSpec,
     _gather_to_rank0,
@@ -114,8 +116,24 @@ def _state_to_save(
     return tensors, values, {"type": _qualname(optimizer), "groups": len(optimizer.param_groups)}
 
 
-def _go_live(root: Path, name: str, meta: dict[str, Any], keep: int) -> None:
-    """(Global rank 0, every process's files written) write hybridpipe.pt, switch to it."""
+def _written_here(
+    tensors: dict[str, Tensor], ctx: DistContext | None, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Tensor]:
+    """The tensors this process writes, so that none is written twice: replica 0 writes what
+    the replicas hold alike (plain tensors; optimizer state unless ZeRO shards it), the other
+    replicas only their own shards (DTensor shards, ZeRO's optimizer state). Without DCP's
+    collectives nothing else dedupes them (`parts.merge` keeps one copy if some slip by)."""
+    if ctx is None or ctx.layout.dp_rank == 0:
+        return tensors
+    zero = optimizer is not None and local_optimizer(optimizer) is not optimizer
+    return {k: v for k, v in tensors.items()
+            if isinstance(v, DTensor) or (zero and k.startswith("optim."))}
+
+
+def _go_live(root: Path, name: str, meta: dict[str, Any], keep: int, world: int) -> None:
+    """(Global rank 0, every process's files written) merge DCP's index parts, write
+    hybridpipe.pt, switch to the new version."""
+    merge_parts(root / name, world)
     atomic_save(meta, root / name / _META)
     write_index_checksums(root / name, (_META, ".metadata"))
     _commit(root, name, keep)
@@ -147,6 +165,7 @@ def save_checkpoint(
         raise ValueError(f"keep must be an int >= 1 (versions kept), got {keep!r}")
     root = _checkpoint_root(path)
     tensors, values, optimizer_info = _state_to_save(stage_modules, spec, optimizer, model)
+    tensors = _written_here(tensors, ctx, optimizer)
     need = _nbytes(tensors)
     with ctx.guard("checkpoint save") if ctx is not None else nullcontext():
         if writer is not None:
@@ -171,7 +190,7 @@ def save_checkpoint(
                 "layout": layout, "optimizer": optimizer_info,
                 "values": {k: v for part in parts for k, v in part.items()}, "extra": extra,
             }
-            finish = functools.partial(_go_live, root, name, meta, keep)
+            finish = functools.partial(_go_live, root, name, meta, keep, _world(ctx))
         try:
             if shutil.disk_usage(root).free < need:
                 raise _disk_full(root, need)
@@ -179,10 +198,10 @@ def save_checkpoint(
                 writer.start(tensors, version, finish=finish, discard=discard, root=root,
                              need=need)
                 return
-            storage = ChecksummingWriter(version)
-            with _single_process_quiet():
-                dcp.save(tensors, storage_writer=storage, no_dist=ctx is None)
-            write_rank_checksums(version, 0 if ctx is None else dist.get_rank(), storage.sums)
+            storage = ChecksummingWriter(version, 0 if ctx is None else dist.get_rank())
+            with _single_process_quiet():  # each process on its own: no DCP collectives
+                dcp.save(tensors, storage_writer=storage, no_dist=True)
+            write_rank_checksums(version, storage.global_rank, storage.sums)
             if ctx is not None:  # every process's checksums are written before it goes live
                 ready = torch.zeros(1, device=ctx.device)
                 ctx.wait_work(dist.all_reduce(ready, async_op=True), None, "the checksums")
@@ -196,6 +215,10 @@ def save_checkpoint(
         if ctx is not None:
             done = torch.zeros(1, device=ctx.device)
             ctx.wait_work(dist.all_reduce(done, async_op=True), None, "the end of the save")
+
+
+def _world(ctx: DistContext | None) -> int:
+    return 1 if ctx is None else dist.get_world_size()
 
 
 def _spec_to_json(spec: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:

@@ -40,6 +40,8 @@ def job_agreement(timeout: float) -> Agreement:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    # torch has no public getter of the default group's store (whatever init method made
+    # it); rebuilding one from MASTER_ADDR would only cover env:// jobs.
     store = dist.distributed_c10d._get_default_store()
     return Agreement(store, dist.get_rank(), dist.get_world_size(), timeout)
 
