@@ -3,10 +3,9 @@ as torchrun does) run with torch's object collectives (gather_object, all_gather
 broadcast_object_list, scatter_object_list, send/recv_object_list) replaced by functions that
 raise, so DCP's own save planning (which gathers and scatters pickled plans) would fail them.
 They save (blocking and in the background) and load at pp=2, and at dp=2 with ZeRO-1 and
-with FSDP2 (DTensor shards); each
-process writes its own files (``__<rank>_<n>.distcp``), global rank 0 merges the index parts
-into one ``.metadata``; a resumed run's next loss equals the uninterrupted one's, and one
-process loads the pp=2 checkpoint at another layout.
+with FSDP2 (DTensor shards); each process writes its own files (``__<rank>_<n>.distcp``),
+global rank 0 merges the index parts into one ``.metadata``; a resumed run's next loss equals
+the uninterrupted one's, and one process loads the pp=2 checkpoint at another layout.
 
 This file is also the worker: ``python <this file> WORKER OUT_DIR``."""
 
