@@ -29,10 +29,21 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from pipeline.checkpoint.checksums import ChecksummingWriter, rank_lists, write_rank_checksums
-from pipeline.checkpoint.files import _single_process_quiet, as_disk_full
+from pipeline.checkpoint.files import _single_process_quiet, as_disk_full, failure_reason
 from pipeline.execution.distributed import DistContext
 
 _WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+_FAILED = "failed-r{rank}.txt"  # a process's failed write, for global rank 0 to see at once
+
+
+def _mark_failed(version: Path, rank: int, err: BaseException) -> None:
+    """Tell global rank 0, which waits for every process's files in `version`, that this
+    process's write failed (without it rank 0 would wait for the timeout)."""
+    try:
+        (version / _FAILED.format(rank=rank)).write_text(
+            f"process {rank}: {failure_reason(err)}")
+    except OSError:
+        pass  # a full disk or the version already removed: rank 0 times out instead
 
 
 @atexit.register
@@ -85,6 +96,7 @@ class AsyncWriter:
                     finish()
             except BaseException as err:  # handed to wait(), in the caller's thread
                 discard()
+                _mark_failed(version, rank, err)
                 self._error = err
             finally:
                 done.set()
@@ -100,6 +112,13 @@ class AsyncWriter:
         so as its own background write ends), bounded by the timeout."""
         deadline = time.monotonic() + self.timeout
         while rank_lists(version) < world:
+            failed = sorted(version.glob(_FAILED.format(rank="*")))
+            if failed:
+                raise RuntimeError(
+                    f"the background checkpoint write failed on another process "
+                    f"({failed[0].read_text(errors='replace')}); the previous checkpoint "
+                    "stays live"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"only {rank_lists(version)} of {world} processes wrote their checkpoint "

@@ -168,3 +168,14 @@ def as_disk_full(err: BaseException, root: Path, need: int) -> BaseException:
     full = _disk_full(root, need)
     full.__cause__ = err
     return full
+
+
+def failure_reason(err: BaseException) -> str:
+    """The innermost reason of a DCP failure (not its traceback text)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = str(err).strip().splitlines()
+    text = lines[0].split(". This is an internal")[0][:160] if lines else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

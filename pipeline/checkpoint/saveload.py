@@ -49,6 +49,7 @@ from pipeline.checkpoint.files import (
     _prepare_version,
     _single_process_quiet,
     atomic_save,
+    failure_reason,
     versions,
 )
 from pipeline.checkpoint.optim import (
@@ -306,17 +307,6 @@ def _check_model(source: str, meta: Mapping[str, Any], spec: Mapping[str, Tensor
     )
 
 
-def _failure(err: BaseException) -> str:
-    """The innermost reason of a DCP failure (not its traceback text)."""
-    if isinstance(err, CheckpointException) and err.failures:
-        err = next(iter(err.failures.values()))[0]
-    while err.__cause__ is not None:
-        err = err.__cause__
-    lines = str(err).strip().splitlines()
-    text = lines[0].split(". This is an internal")[0][:160] if lines else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
 def _read(version: Path, buffers: dict[str, Tensor], source: str) -> None:
     """Read `buffers` (DCP keys) from `version`. Reading needs no coordination: each process
     reads its own keys (no_dist). A data file that is missing, short, changed since it was
@@ -344,10 +334,10 @@ def _read(version: Path, buffers: dict[str, Tensor], source: str) -> None:
             with _single_process_quiet():
                 dcp.load(part, storage_reader=FileSystemReader(version), no_dist=True)
         except (Exception, CheckpointException) as err:
-            reason = f"it cannot be read ({_failure(err)})"
+            reason = f"it cannot be read ({failure_reason(err)})"
             raise _damaged(source, version / name, part, reason) from None
     raise ValueError(
-        f"{source} could not be read ({_failure(failure)}); nothing was loaded"
+        f"{source} could not be read ({failure_reason(failure)}); nothing was loaded"
     ) from failure
 
 
@@ -407,7 +397,8 @@ def load_checkpoint(
     except Exception as err:
         raise ValueError(
             f"{source} is damaged: DCP's index {str(version / '.metadata')!r} cannot be read "
-            f"({_failure(err)}). Nothing was loaded; restore the file, or load an older version"
+            f"({failure_reason(err)}). Nothing was loaded; restore the file, or load an older "
+            "version"
         ) from None
     own = [k for k in local_state(stage_modules) if k in spec]
     absent = [k for k in own if f"model.{k}" not in stored]

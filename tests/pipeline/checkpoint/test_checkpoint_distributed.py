@@ -5,7 +5,9 @@ raise, so DCP's own save planning (which gathers and scatters pickled plans) wou
 They save (blocking and in the background) and load at pp=2, and at dp=2 with ZeRO-1 and
 with FSDP2 (DTensor shards); each process writes its own files (``__<rank>_<n>.distcp``),
 global rank 0 merges the index parts into one ``.metadata``; a resumed run's next loss equals
-the uninterrupted one's, and one process loads the pp=2 checkpoint at another layout.
+the uninterrupted one's, and one process loads the pp=2 checkpoint at another layout. A
+process whose background write fails is named at once on global rank 0 (which waits for
+every process's files).
 
 This file is also the worker: ``python <this file> WORKER OUT_DIR``."""
 
@@ -91,12 +93,42 @@ def _save_and_resume(out: Path, stages: int, dp: int, shard: str | None, *,
     dist.barrier()
 
 
+def _failed_background_write(out: Path) -> None:
+    """Process 1's background write fails: global rank 0, waiting for every process's files,
+    learns it at once (not at the timeout) and both raise; the next save succeeds."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipeline.checkpoint.checksums import ChecksummingWriter
+
+    a = _pipe(0, 2, 1, None)
+    opt = a.optimizer(torch.optim.SGD, lr=0.1)
+    _step(a, opt, 0)
+    real = ChecksummingWriter.write_data
+
+    def broken(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError("injected write failure")
+
+    if dist.get_rank() == 1:
+        ChecksummingWriter.write_data = broken  # type: ignore[method-assign]
+    a.save_checkpoint(out / "failing", optimizer=opt, async_save=True)
+    want = (CheckpointException, "injected") if dist.get_rank() == 1 else (
+        RuntimeError, r"failed on another process \(process 1: OSError: injected")
+    with pytest.raises(want[0], match=want[1]):
+        a.wait_checkpoint()
+    ChecksummingWriter.write_data = real  # type: ignore[method-assign]
+    a.save_checkpoint(out / "failing", optimizer=opt, async_save=True)
+    a.wait_checkpoint()
+    assert a.load_checkpoint(out / "failing", optimizer=opt) is None
+
+
 def worker_nopickle(out: Path) -> None:
     init_worker()
     _forbid_object_collectives()
     _save_and_resume(out, stages=2, dp=1, shard=None, async_save=False)
     _save_and_resume(out, stages=1, dp=2, shard="optimizer", async_save=True)
     _save_and_resume(out, stages=1, dp=2, shard="full", async_save=False)
+    _failed_background_write(out)
     torch.distributed.destroy_process_group()
     print("worker nopickle: every check ran")
 
