@@ -2,7 +2,8 @@
 of a repeated block (a child of a ModuleList or Sequential, e.g. ``blocks.3`` or
 ``model.layers.0``) and one per run of the ops between blocks. Identical blocks give regions
 with the same canonical code (parameters and inputs as numbered placeholders, nodes renamed),
-so they share one compiled artefact and the compile time does not grow with depth.
+so they share one compiled artefact and the compile time does not grow with depth. The blocks
+are those the activation policies checkpoint (partitioner.blocks: one rule for both).
 
 `outline` returns the regions and a driver graph: the stage's graph with each region replaced
 by one call of its runner, which the compiled stage runs instead of the stage's own code."""
@@ -19,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from partitioner.autocast import op_of
+from partitioner.blocks import block_key, runs
 from partitioner.exported import is_symbolic
 
 _PLAIN = ("call_function", "call_method")
@@ -41,29 +43,6 @@ class Region:
     states: list[tuple[str, str]] = field(default_factory=list)  # their tensors: (m0.w, path)
 
 
-def _item(path: str) -> str | None:
-    """The path up to its first index (``blocks.3.attn`` -> ``blocks.3``), else None."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
-
-
-def block_key(node: fx.Node) -> str:
-    """The call of the outermost module that is an item of a container (path ending in an
-    index, with torch.export's call count for a module called more than once); '' outside."""
-    stack = node.meta.get("nn_module_stack") or {}
-    for key, (path, _) in stack.items():
-        item = _item(str(path))
-        if item is not None:
-            count = str(key).rpartition("@")[2] if "@" in str(key) else ""
-            return f"{item}@{count}" if count.isdigit() and item == path else item
-    if node.op == "call_module":  # torch.fx: the module called whole
-        return _item(str(node.target)) or ""
-    return ""
-
-
 def _module_name(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [str(path) for path, _ in stack.values() if path]
@@ -80,25 +59,27 @@ def _floating(node: fx.Node) -> bool:
 
 
 def _group(graph: fx.Graph) -> list[Region]:
-    regions: list[Region] = []
-    region_of: dict[fx.Node, Region] = {}
-    last_key: str | None = None
-    for node in graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr") or _floating(node):
-            continue
-        source = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(source, fx.Node) and source in region_of:
-            region = region_of[source]  # a tuple's items stay with the op returning it
-        else:
-            key = block_key(node)
-            if not regions or key != last_key or not key:
-                if not (regions and not key and not last_key):
-                    regions.append(Region(key or _module_name(node)))
-            last_key = key
-            region = regions[-1]
-        region.nodes.append(node)
-        region_of[node] = region
-    return regions
+    """The graph's blocks (partitioner.blocks: the activation policies' rule), without the
+    nodes no region computes, each tuple's items kept with the op returning it."""
+    nodes = [n for n in graph.nodes
+             if n.op not in ("placeholder", "output", "get_attr") and not _floating(n)]
+    cut = runs(nodes)
+    run_of: dict[fx.Node, list[fx.Node]] = {}
+    for members in cut:
+        for node in list(members):
+            source = node.args[0] if node.target is operator.getitem and node.args else None
+            home = run_of.get(source) if isinstance(source, fx.Node) else None
+            if home is not None and home is not members:
+                members.remove(node)
+                home.append(node)
+            run_of[node] = home if home is not None else members
+    return [Region(_region_name(members), nodes=members) for members in cut if members]
+
+
+def _region_name(members: list[fx.Node]) -> str:
+    """The block's module path, else the first module its ops belong to."""
+    keys = (block_key(n) for n in members)
+    return next((k for k in keys if k), None) or _module_name(members[0])
 
 
 def _sym_expr(node: fx.Node) -> Any:
