@@ -6,6 +6,8 @@ unsplit model eager and under ``torch.compile``, in one run on CPU (inductor's C
   turn, round after round (order rotated), so load on the machine hits them alike. The figure
   of merit: (pipeline compiled speedup) / (unsplit compiled speedup), goal >= 0.95; the
   pipeline also with inductor's C++ wrapper (``options={"cpp_wrapper": True}``);
+- the same pipelines under torchrun (2 gloo processes, one per stage, 1 thread each: no GIL
+  shared between the stages), eager vs compiled, against the in-process unsplit speedup;
 - the float32 agreement of the compiled pipeline's loss and gradients with the compiled
   unsplit model and with the eager pipeline (largest |difference| over the largest |value|);
 - under ZB-H1: the measured mean B (input grads) and W (weight grads) per stage, eager and
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from launch import gather, hand_back
 from report import write_results
 from torch import nn
 from torch.nn import functional as F
@@ -173,6 +176,45 @@ def step_times(label: str, build: Callable[[], nn.Module]) -> dict[str, Any]:
     }
 
 
+MODELS: dict[str, Callable[[], nn.Module]] = {"demo GPT": demo_gpt, "Llama (transformers)": Llama}
+
+
+def _worker(label: str) -> None:
+    """One torchrun process (a stage each): eager and compiled pipelines of `label`, stepped
+    in turn; rank 0 hands back the median step times."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    x, y = batch()
+    base = MODELS[label]()
+    pipes = {name: Pipeline(copy.deepcopy(base), 2, microbatches=M, loss_fn=lm_loss,
+                            compile=flag) for name, flag in (("eager", False), ("compiled", True))}
+    for pipe in pipes.values():
+        for _ in range(WARMUP):
+            pipe.zero_grad()
+            pipe.step(x, y)
+    samples: dict[str, list[float]] = {name: [] for name in pipes}
+    for r in range(REPEATS):
+        for name in list(pipes)[r % 2:] + list(pipes)[: r % 2]:
+            pipes[name].zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipes[name].step(x, y)
+            samples[name].append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        hand_back({name: statistics.median(v) for name, v in samples.items()})
+    dist.destroy_process_group()
+
+
+def torchrun_steps(label: str, unsplit: float) -> dict[str, Any]:
+    """The pipeline eager vs compiled under torchrun; `unsplit`: the in-process unsplit
+    speedup the ratio is taken against."""
+    median = gather(__file__, 2, label)
+    speedup = median["eager"] / median["compiled"]
+    return {"median_s": median, "speedup": speedup, "ratio": speedup / unsplit}
+
+
 def split_backward() -> dict[str, Any]:
     """ZB-H1 on the demo GPT, eager and compiled: B and W per stage from the calibration,
     and the calibrated prediction against the measured step."""
@@ -243,6 +285,15 @@ def _report(data: dict[str, Any]) -> str:
             f"{r['pipeline_speedup']:.2f}x | {r['ratio']:.2f} | "
             f"{m['pipeline compiled (cpp_wrapper)'] * 1e3:.0f} ms "
             f"({r['cpp_wrapper_speedup']:.2f}x) | {r['cpp_wrapper_ratio']:.2f} |")
+    lines += ["", "Under torchrun (2 gloo processes, one stage each, 1 thread each; the unsplit "
+              "speedup from the in-process runs above):", "",
+              "| model | pipeline eager | pipeline compiled | speedup | ratio (goal >= 0.95) |",
+              "|---|---|---|---|---|"]
+    for r in data["steps"]:
+        t = r["torchrun"]
+        lines.append(f"| {r['model']} | {t['median_s']['eager'] * 1e3:.0f} ms | "
+                     f"{t['median_s']['compiled'] * 1e3:.0f} ms | {t['speedup']:.2f}x | "
+                     f"{t['ratio']:.2f} |")
     lines += ["", "float32 agreement of the gradients (largest |difference| / largest |value|):",
               ""]
     for r in data["steps"]:
@@ -284,10 +335,15 @@ def main() -> None:
             "16/cold": compile_time(16, cold16),
             "16/warm": compile_time(16, cold16),
         }
-    data["steps"] = [step_times("demo GPT", demo_gpt), step_times("Llama (transformers)", Llama)]
+    data["steps"] = [step_times(label, build) for label, build in MODELS.items()]
+    for r in data["steps"]:
+        r["torchrun"] = torchrun_steps(r["model"], r["unsplit_speedup"])
     data["split_backward"] = split_backward()
     write_results("compile", data, _report(data))
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:
+        _worker(sys.argv[-1])
+    else:
+        main()

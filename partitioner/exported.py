@@ -370,7 +370,7 @@ def _unit_graph(
                 env[key] = sub.placeholder(f"in_{len(sources)}")
             value = env[key]
             if producer is not None:
-                value = sub.call_function(_getitem, (value, outputs[producer].index(arg.name)))
+                value = sub.call_function(unit_item, (value, outputs[producer].index(arg.name)))
         value.meta = dict(arg.meta)
         env[arg.name] = value
         return value
@@ -385,7 +385,8 @@ def _unit_graph(
     return sub, sources
 
 
-def _getitem(values: tuple[Any, ...], index: int) -> Any:
+def unit_item(values: tuple[Any, ...], index: int) -> Any:
+    """Item `index` of the tuple of outputs another unit gave (a unit graph's input)."""
     return values[index]
 
 

@@ -74,6 +74,13 @@ def _fresh(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
+def _as_in_step(value: Any) -> Any:
+    """Floating tensors as a training step passes them (needing grad), so a compiled unit's
+    forward is the code the backward's probe and the stages run (compiled once)."""
+    return tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, value)
+
+
 def _describe(value: Any) -> str:
     """A parameter, buffer, submodule or input by what its cost depends on, not its name."""
     if isinstance(value, torch.Tensor):
@@ -117,9 +124,10 @@ def _fetch(root: nn.Module, target: str) -> Any:
 class _Profiler(fx.Interpreter):
     def __init__(
         self, gm: fx.GraphModule, clock: _Clock, repeats: int, warmup: int, progress: Progress,
-        box: Sandbox,
+        box: Sandbox, runner: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         super().__init__(gm)
+        self.runner = runner
         self.clock = clock
         self.box = box
         self.repeats = repeats
@@ -157,15 +165,25 @@ class _Profiler(fx.Interpreter):
         else:
             if key is not None:
                 self.first[key] = n.name
-            self.results[n.name] = self._measure(n, run, args, kwargs)
+            self.results[n.name] = self._measure(n, self._timed(n, run), args, kwargs)
         self.done += 1
         self.progress(self.done, self.total, n.name)
         return result
 
+    def _timed(self, n: fx.Node, run: Any) -> Any:
+        """What runs the node when it is measured: `run`, or the runner's form of a unit."""
+        if self.runner is None or n.op != "call_module":
+            return run
+        unit = self.runner(self.fetch_attr(str(n.target)))
+        return lambda _target, args, kwargs: unit(*args, **kwargs)
+
     def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, Any]:
-        with torch.no_grad():
+        wrapped = self.runner is not None and n.op == "call_module"
+        fresh = _as_in_step if wrapped else _fresh
+        with torch.set_grad_enabled(wrapped):  # see `profile`
             forward = self._median(
-                lambda: run(n.target, *_fresh((args, kwargs))), max(0, self.warmup - 1)
+                lambda: run(n.target, *fresh((args, kwargs))),
+                max(1, self.warmup) if wrapped else max(0, self.warmup - 1),
             )
         stats: dict[str, Any] = {
             "forward_time": forward,
@@ -224,13 +242,19 @@ def profile(
     repeats: int = 3,
     warmup: int = 1,
     progress: Progress | None = None,
+    runner: Callable[[nn.Module], nn.Module] | None = None,
 ) -> None:
     """Add forward_time, backward_time (s), input_grad_time + weight_grad_time (= backward_time;
     see the module docstring) and activation_bytes to every node of a `capture`d graph.
 
     `model` is the model the graph was captured from (its state is sandboxed). On a `device`
     other than the model's, a copy is measured there. `progress(done, total, node)` is called
-    after each node; by default a line goes to stderr every 2 s for long profiles."""
+    after each node; by default a line goes to stderr every 2 s for long profiles.
+
+    `runner(unit)`: what runs a unit when it is measured, e.g. its compiled form (over the
+    same parameters), so the costs are those of the code the steps will run. Such a unit's
+    forward is timed as a training step runs it (recording for its backward: a compiled
+    forward that only infers is other code), after its warm-up runs (which compile it)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(
             f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
@@ -253,7 +277,7 @@ def profile(
                 lambda t: t.to(target) if isinstance(t, torch.Tensor) else t, example_inputs
             )
         profiler = _Profiler(
-            gm, _Clock(target), repeats, warmup, progress or _stderr_progress(), box
+            gm, _Clock(target), repeats, warmup, progress or _stderr_progress(), box, runner
         )
         profiler.run(*example_inputs)
     for name, stats in profiler.results.items():

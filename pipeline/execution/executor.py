@@ -13,12 +13,17 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from partitioner import StageModule
 from partitioner.saved_bytes import SavedBytes
-from pipeline.execution.compiled import CompileOptions, CompileStats, compiled_stage
+from pipeline.execution.compiled import (
+    CompileOptions,
+    CompileStats,
+    compiled_stage,
+    compiled_unit,
+)
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
@@ -68,6 +73,13 @@ class Executor(ABC):
                 "or None to compile")
             return module
         return compiled_stage(module, self.compile, self.compile_stats, splits=splits)
+
+    def profiled_unit(self, unit: nn.Module) -> nn.Module:
+        """What runs a captured unit when the planner times it: compiled as the stages will
+        be (compile=), so the balance sees compiled costs; else the unit itself."""
+        if self.compile is None or self.shard == "full" or not isinstance(unit, fx.GraphModule):
+            return unit
+        return compiled_unit(unit, self.compile, self.compile_stats)
 
     # -- set-up -----------------------------------------------------------------------------------
 

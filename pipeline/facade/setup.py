@@ -65,6 +65,8 @@ class Setup:
                 dynamic_dims=dynamic_dims, auto_activations=auto_activations,
                 surveyed=surveyed,
             )
+        if executor.compile is not None:  # the balance sees the compiled units' costs
+            planner.unit_runner = executor.profiled_unit
         ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(
             stages=stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,

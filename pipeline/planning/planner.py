@@ -60,6 +60,7 @@ from pipeline.planning.synthesis import OPTIMIZER_FACTOR
 from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
+UnitRunner = Callable[[torch.nn.Module], torch.nn.Module]
 
 
 AUTO = "auto"
@@ -127,15 +128,16 @@ def _as_meta(value: Any) -> Any:
 
 
 def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...],
-            device: torch.device) -> None:
+            device: torch.device, runner: UnitRunner | None = None) -> None:
     """Profile the captured units, or estimate them (FLOPs + bytes on meta,
-    partitioner.estimate) when the model is on the meta device."""
+    partitioner.estimate) when the model is on the meta device. `runner(unit)`: what runs a
+    unit when it is timed (its compiled form under ``compile=``; partitioner.profile)."""
     if on_meta(model):
         estimate(captured, example, device=device)
     else:  # a meta model materialised since it was captured: time it on zeros of those shapes
         real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
                         if isinstance(t, torch.Tensor) and t.is_meta else t, example)
-        profile(captured, model, real, device=device)
+        profile(captured, model, real, device=device, runner=runner)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -201,6 +203,9 @@ class Planner:
         # The leader profiles the units even when balance is not "profile" (a distributed
         # re-balance needs their costs once the model is split).
         self.profile_units = False
+        # What runs a unit when it is profiled (set by the facade under compile=: the unit
+        # compiled, so the balance, the simulator and "auto" see compiled costs).
+        self.unit_runner: UnitRunner | None = None
         self.leaf_modules = leaf_modules
         self.schedule_spec = schedule
         given = microbatches if isinstance(microbatches, int) else None
@@ -300,7 +305,7 @@ class Planner:
             return first, self._reusable(first)
         with how.phase("auto-planning (capture and profiling of the model)"):
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
-            measure(captured, self.model, example, how.device)
+            measure(captured, self.model, example, how.device, self.unit_runner)
             if self.auto_activations:
                 price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
@@ -318,7 +323,7 @@ class Planner:
         example = _first_microbatch(args, min(2 * self.ranks, batch_size(args, "inputs")))
         inputs = CaptureInputs(call_spec, _capture_rows(args, example))
         captured = self._capture(inputs)
-        measure(captured, self.model, example, how.device)
+        measure(captured, self.model, example, how.device, self.unit_runner)
         return Surveyed(captured, inputs, example)
 
     def _reusable(self, first: FirstBatch) -> Captured | None:
@@ -355,7 +360,7 @@ class Planner:
         costed = self.balance == "profile" or self.auto_activations
         if (costed or self.profile_units) and not profiled:
             with how.phase("profiling of the model"):
-                measure(captured, self.model, example, how.device)
+                measure(captured, self.model, example, how.device, self.unit_runner)
                 if self.auto_activations:
                     price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET)
         with how.phase("partitioning of the model"):
@@ -449,7 +454,8 @@ class Planner:
                     "are of that capture), or balance='profile'/'parameters'"
                 )
             if self.balance == "profile":
-                measure(captured, self.model, decision.example, how.device)
+                measure(captured, self.model, decision.example, how.device,
+                        self.unit_runner)
             plan = partition(captured, decision.schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if self.balance == "profile" else None
         plan = with_activations_of(with_dims(plan, captured), decision.plan)
@@ -470,5 +476,6 @@ class Planner:
             )
         captured = decision.captured
         if not captured.profiled:
-            measure(captured, self.model, decision.example, how.device)
+            measure(captured, self.model, decision.example, how.device,
+                        self.unit_runner)
         return dataclasses.replace(decision, costs=stage_costs(captured, decision.plan))

@@ -7,6 +7,7 @@ runs only the weight-grad work (e.g. ``dW = dy^T x``) and never redoes the input
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,14 @@ def trace_joint(
     """Trace `fn(*args)` (a tuple of tensors; `differentiable[i]`: output i requires grad)
     forward and backward, and cut the graphs. `weights`: the primal indices that are weights
     (the others needing a grad are inputs); with both present the backward is also split."""
-    joint = aot_export_joint_simple(fn, tuple(args), trace_joint=True)
+    try:
+        joint = aot_export_joint_simple(fn, tuple(args), trace_joint=True)
+    except RuntimeError as err:
+        if "outputs that alias" not in str(err):
+            raise
+        # E.g. a linear layer on a 3-d input returns an _unsafe_view of its product, which
+        # the joint export refuses as an output: such a region returns copies.
+        joint = aot_export_joint_simple(_copied(fn), tuple(args), trace_joint=True)
     if not isinstance(joint, fx.GraphModule):
         raise TypeError(f"the joint trace gave a {type(joint).__name__}, not a graph")
     num_outputs = len(differentiable)
@@ -72,6 +80,12 @@ def trace_joint(
     weight_idx = tuple(i for i in wanted if i in weight_set)
     split = split_backward(backward, inputs, weight_idx) if inputs and weight_idx else None
     return JointGraphs(forward, backward, num_outputs, tangents, split)
+
+
+def _copied(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    return lambda *a: tuple(o.clone() for o in fn(*a))
 
 
 def _outputs(gm: fx.GraphModule) -> list[Any]:
@@ -122,6 +136,11 @@ def split_backward(
     dw = [grads[i] for i in weights]
     shared = _ancestors(dx)
     only_w = _ancestors(dw) - shared
+    # The items the weight-grad part reads of a multi-output op (e.g. native_layer_norm's
+    # backward) the input-grad part runs are taken there: a graph returns tensors, not tuples.
+    items = {n for n in only_w if n.target is operator.getitem and n.args[0] in shared}
+    shared |= items
+    only_w -= items
     # Values the input-grad part computes that the weight-grad part reads (or returns).
     kept = sorted(
         (n for n in shared if n.op != "placeholder"

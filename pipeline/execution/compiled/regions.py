@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from partitioner.autocast import op_of
 from partitioner.blocks import block_key, runs
-from partitioner.exported import is_symbolic
+from partitioner.exported import is_symbolic, unit_item
 
 _PLAIN = ("call_function", "call_method")
 
@@ -58,11 +58,19 @@ def _floating(node: fx.Node) -> bool:
     return is_symbolic(node) or ("val" in node.meta and node.meta["val"] is None)
 
 
+def _unpacks_input(node: fx.Node) -> bool:
+    """An item of a tuple the graph takes (a captured unit's input): the driver takes it out,
+    so only tensors cross into a region."""
+    item = node.target is operator.getitem or node.target is unit_item
+    source = node.args[0] if item and node.args else None
+    return isinstance(source, fx.Node) and source.op == "placeholder"
+
+
 def _group(graph: fx.Graph) -> list[Region]:
     """The graph's blocks (partitioner.blocks: the activation policies' rule), without the
     nodes no region computes, each tuple's items kept with the op returning it."""
-    nodes = [n for n in graph.nodes
-             if n.op not in ("placeholder", "output", "get_attr") and not _floating(n)]
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+             and not _floating(n) and not _unpacks_input(n)]
     cut = runs(nodes)
     run_of: dict[fx.Node, list[fx.Node]] = {}
     for members in cut:

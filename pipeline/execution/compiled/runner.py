@@ -270,8 +270,9 @@ class RegionRunner:
     """Called by the driver as ``runner(*attrs, *inputs)``; returns the region's outputs."""
 
     def __init__(self, region: Region, owner: nn.Module, options: CompileOptions,
-                 stats: CompileStats, where: str, splits: bool) -> None:
+                 stats: CompileStats, where: str, splits: bool, quiet: bool = False) -> None:
         self.gm = canonical(region, owner)
+        self.quiet = quiet  # a unit timed for the plan: its eager regions are logged only
         self.splits = splits  # the schedule splits the backward into B and W
         self.name = f"{where} region {region.name!r}"
         self.options = options
@@ -306,7 +307,7 @@ class RegionRunner:
             art = self._artefact(flat, training, device_type)
         except Exception as err:  # noqa: BLE001 - a region that cannot be traced runs eager
             self.eager = f"it could not be traced for compilation ({_reason(err)})"
-            self.stats.runs_eager(self.name, self.eager)
+            self._runs_eager(self.name, self.eager)
             return self.run(*flat)
         if isinstance(art, str):
             return self.run(*flat)
@@ -316,6 +317,12 @@ class RegionRunner:
         if not self.splits:  # the whole backward always: no need to ask what it wants
             return RegionFunction.apply(art, device_type, False, *flat)
         return RegionFunction.apply(art, device_type, True, *map(_gate, flat))
+
+    def _runs_eager(self, what: str, reason: str) -> None:
+        if self.quiet:
+            log.info("hybridpipe compile: %s is timed eager: %s", what, reason)
+        else:
+            self.stats.runs_eager(what, reason)
 
     def run(self, *flat: Any) -> Any:
         """The region as it is (eager): attrs, states of the modules called whole, inputs."""
@@ -338,7 +345,7 @@ class RegionRunner:
             art = _ARTEFACTS.get(key)
             if art is None:
                 if len(self.signatures) >= _MAX_SIGNATURES:
-                    self.stats.runs_eager(
+                    self._runs_eager(
                         f"{self.name} (new input shapes)",
                         f"it was compiled for {_MAX_SIGNATURES} input shapes already; give "
                         "batches of fewer distinct shapes (e.g. pad to a few lengths)")

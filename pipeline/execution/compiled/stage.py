@@ -28,3 +28,17 @@ def compiled_stage(
     driver.output_names = list(stage.output_names)  # type: ignore[assignment]
     driver.index = stage.index  # type: ignore[assignment]
     return driver
+
+
+def compiled_unit(
+    unit: fx.GraphModule, options: CompileOptions, stats: CompileStats
+) -> fx.GraphModule:
+    """A captured unit (a graph over its own parameters) run through compiled regions, as the
+    profiler times it; its regions' artefacts are those the stages later reuse (same code,
+    same shapes). The backward is split-ready, so B and W are timed apart. A region that
+    cannot be traced here (e.g. a Python number crossing between torch.fx units) is timed
+    eager with a log line: the stages are cut otherwise and warn for themselves."""
+    regions = regions_of(unit)
+    runners = [RegionRunner(region, unit, options, stats, "profiled unit", True, quiet=True)
+               for region in regions]
+    return outline(unit, regions, runners)
