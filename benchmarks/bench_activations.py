@@ -9,20 +9,28 @@ limit that "none" exceeds):
   prices measured per block, partitioner.activation_cost, at the schedule's peak);
 - the step time: the median of interleaved timed steps (every policy timed once per round, so
   a busy machine slows them alike), after a warm-up step, without the counting (its hooks
-  cost time: the bytes are counted in one more step).
+  cost time: the bytes are counted in one more step);
+- the predicted step: the simulator's, from costs calibrated on the traces of the "none"
+  steps (pipeline.planning.calibration, as bench_calibration.py does) with each policy's
+  price added as the planner adds it (pipeline.planning.costs.with_policies), against the
+  median of the policy's traced steps (what the cost model predicts; bench_calibration.py
+  compares the same); for "none" itself that is the calibrated model's own error.
 The memory limit is per device, parameters x 4 (weights, grads, Adam's two moments)
 included: half of rank 0's "none" activations above its parameters, and at least what every
 rank needs under "full". Also per transformer block: the bytes "selective" and "full" keep
-over "none"'s, from the planner's measurements.
+over "none"'s, and the matmul and attention FLOPs each recomputes, from the planner's
+measurements.
 
 On a CPU device "offload" moves nothing (the host is the device): it runs as "none".
 
 Writes benchmarks/results/activations.{md,json}.
-Run: .venv/bin/python benchmarks/bench_activations.py   (a few minutes on 2 cores)
+Run: .venv/bin/python benchmarks/bench_activations.py   (a few minutes on 2 cores;
+BENCH_ROUNDS=N timed rounds, default 9)
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -40,10 +48,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline import Pipeline  # noqa: E402
 from pipeline.app.models import GPT  # noqa: E402
 from pipeline.planning.activation_plan import peaks  # noqa: E402
-from pipeline.planning.costs import stage_costs  # noqa: E402
+from pipeline.planning.calibration import (  # noqa: E402
+    calibrate,
+    calibrated_costs,
+    predict_calibrated,
+)
+from pipeline.planning.costs import stage_costs, with_policies  # noqa: E402
+from scheduler import Timeline  # noqa: E402
 
 STAGES, MICROBATCHES, ROWS, SEQ, VOCAB = 4, 8, 16, 64, 256
-ROUNDS = 7
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
 POLICIES = ("none", "full", "selective", "offload")
 MIB = 2**20
 
@@ -83,9 +97,32 @@ def _block_ratios(pipe: Pipeline, prefix: str) -> dict[str, float]:
     blocks = [v for v in pipe.captured.order if nodes[v].get("kept_none") and
               v.startswith(prefix)]
     none = sum(nodes[v]["kept_none"] for v in blocks)
+    full_flops = sum(nodes[v]["recompute_flops_full"] for v in blocks)
     return {"blocks": len(blocks),
             "selective_over_none": sum(nodes[v]["kept_selective"] for v in blocks) / none,
-            "full_over_none": sum(nodes[v]["kept_full"] for v in blocks) / none}
+            "full_over_none": sum(nodes[v]["kept_full"] for v in blocks) / none,
+            "recompute_flops_selective_over_full": sum(
+                nodes[v]["recompute_flops_selective"] for v in blocks) / full_flops}
+
+
+def _predicted_steps(roomy: Pipeline, pipes: dict[str, Pipeline],
+                     traces: list[Timeline]) -> dict[str, float]:
+    """Per policy the simulator's step from costs calibrated on the "none" steps' `traces`,
+    with the policy's price added (its stages' own partition: the units' measurements are
+    the same capture's)."""
+    schedule = roomy.schedule
+    calibration = calibrate(schedule, traces)
+    predicted = {}
+    for p, pipe in pipes.items():
+        policies = pipe.plan.activations if p == "auto" else [p] * STAGES
+        assert policies is not None
+        profiled = stage_costs(roomy.captured, pipe.plan)
+        predicted[p] = predict_calibrated(
+            schedule, calibration,
+            lambda step, c=profiled, ps=policies: with_policies(  # type: ignore[misc]
+                calibrated_costs(step, c), ps, schedule.splits_backward),
+        ).step_time
+    return predicted
 
 
 def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
@@ -105,6 +142,8 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
     pipes = {p: _pipe(model, x, p, None) for p in POLICIES}
     pipes["auto"] = _pipe(model, x, "auto", limit)
     times: dict[str, list[float]] = {p: [] for p in pipes}
+    traced: dict[str, list[float]] = {p: [] for p in pipes}  # the traces' step times
+    traces: list[Timeline] = []  # of the "none" steps, to calibrate on
     for pipe in pipes.values():  # warm-up
         model.zero_grad(set_to_none=True)
         pipe.step(x, y)
@@ -114,6 +153,11 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
             start = time.perf_counter()
             pipe.step(x, y)
             times[p].append(time.perf_counter() - start)
+            assert pipe.trace is not None
+            traced[p].append(pipe.trace.step_time)
+            if p == "none":
+                traces.append(pipe.trace)
+    predicted_steps = _predicted_steps(roomy, pipes, traces)
     # Counted in a step of its own: the counting hooks cost time the timed steps do not pay.
     meters = {p: pipe.count_saved_activations() for p, pipe in pipes.items()}
     for pipe in pipes.values():
@@ -133,6 +177,9 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
             "fits_limit": all(f + a <= limit for f, a in zip(fixed, measured, strict=True)),
             "step_seconds": statistics.median(times[p]),
             "step_seconds_all": times[p],
+            "traced_step_seconds": statistics.median(traced[p]),
+            "predicted_step_seconds": predicted_steps[p],
+            "step_prediction_error": predicted_steps[p] / statistics.median(traced[p]) - 1,
         }
     return {"model": name, "parameters": sum(t.numel() for t in model.parameters()),
             "memory_limit": limit, "fixed_bytes": fixed, "auto_policies": auto_plan.activations,
@@ -148,7 +195,10 @@ def _report(results: list[dict[str, Any]]) -> str:
         f"({torch.get_num_threads()} intra-op thread(s)); step: median of {ROUNDS} interleaved "
         "steps. Peaks: activation bytes each rank holds for its backward (measured: counted by "
         "the runtime; predicted: the planner's prices at the schedule's peak). Limit: bytes per "
-        "device, parameters x 4 included.",
+        "device, parameters x 4 included. Step ms: wall clock around `pipe.step`; traced: the "
+        "step's trace (what the cost model predicts); predicted: the simulator with costs "
+        "calibrated on the \"none\" steps' traces plus each policy's priced cost (the "
+        "planner's, recomputation at the stage's measured speed).",
         "",
     ]
     for res in results:
@@ -161,15 +211,18 @@ def _report(results: list[dict[str, Any]]) -> str:
             f"{', '.join(res['auto_policies'])} for stages 0..3",
             "",
             "| policy | peak held per rank, measured (MiB) | predicted (MiB) | worst error "
-            "| fits the limit | step ms |",
-            "|---|---|---|---|---|---|",
+            "| fits the limit | step ms | traced step ms | predicted | error |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for p, row in res["policies"].items():
             meas = ", ".join(f"{b / MIB:.2f}" for b in row["measured_peak_bytes"])
             pred = ", ".join(f"{b / MIB:.2f}" for b in row["predicted_peak_bytes"])
             lines.append(f"| {p} | {meas} | {pred} | {row['worst_prediction_error']:.1%} | "
                          f"{'yes' if row['fits_limit'] else 'no'} | "
-                         f"{1e3 * row['step_seconds']:.0f} |")
+                         f"{1e3 * row['step_seconds']:.0f} | "
+                         f"{1e3 * row['traced_step_seconds']:.0f} | "
+                         f"{1e3 * row['predicted_step_seconds']:.0f} | "
+                         f"{row['step_prediction_error']:+.1%} |")
         ratios = res["block_ratios"]
         lines += [
             "",
@@ -177,7 +230,9 @@ def _report(results: list[dict[str, Any]]) -> str:
             f"step ({(full_t - auto_t) / full_t:+.1%} time saved).",
             f"Per transformer block ({ratios['blocks']} blocks): \"selective\" keeps "
             f"{ratios['selective_over_none']:.1%} of \"none\"'s bytes, \"full\" "
-            f"{ratios['full_over_none']:.1%}.",
+            f"{ratios['full_over_none']:.1%}; \"selective\" recomputes "
+            f"{ratios['recompute_flops_selective_over_full']:.1%} of the matmul and attention "
+            "FLOPs \"full\" recomputes.",
             f"Planning with the policies priced: {res['plan_seconds_with_pricing']:.1f} s.",
             "",
         ]

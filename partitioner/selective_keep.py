@@ -4,8 +4,10 @@ block from one probing forward, and the checkpoint context that keeps exactly th
 
 The rule (`keep_plan`):
 - the block's budget is ``budget`` x the bytes it keeps under "none" (every tensor autograd
-  saves, each storage once, parameters not counted), less its inputs (kept by the
-  checkpoint anyway);
+  saves, each storage once, parameters not counted), less its inputs that need grad (the
+  activations it receives, kept by the checkpoint anyway; the tensors needing none, token
+  ids, masks, rotary tables, are held for the whole stage: how a stage's blocks pass them
+  around must not change the choice);
 - a candidate output is worth keeping only if the recomputation would run its op: the
   non-reentrant checkpoint stops recomputing once the last tensor the backward needs is
   back, so an op running after the block's last saved tensor (the last matmul of a block,
@@ -102,7 +104,7 @@ class KeepPlan:
     keep: dict[Any, frozenset[int]]
     none_bytes: float
     input_bytes: float
-    kept_bytes: float  # the inputs and the kept outputs
+    kept_bytes: float  # the inputs needing grad and the kept outputs
     candidates: tuple[Candidate, ...] = field(default=())
 
     @property
@@ -174,7 +176,7 @@ def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any
         del out
     inputs: dict[tuple[Any, ...], float] = {
         _storage_key(a): float(a.untyped_storage().nbytes()) for a in args
-        if isinstance(a, torch.Tensor) and not (a.is_leaf and a.requires_grad)}
+        if isinstance(a, torch.Tensor) and a.requires_grad}
     candidates = tuple(Candidate(c.func, c.ordinal, c.nbytes, c.flops, before < last[0])
                        for before, c in probe.calls)
     room = None if budget is None else budget * none - sum(inputs.values())

@@ -43,6 +43,15 @@ class PolicyPrices:
             return {k: [x * factor for x in v] for k, v in d.items()}
         return PolicyPrices(times(self.kept), times(self.forward), times(self.backward))
 
+    def at_speed(self, factors: Sequence[float]) -> PolicyPrices:
+        """With the recomputing policies' times scaled per stage by `factors` (a stage's
+        measured compute over its profiled one: recomputation is compute, and runs as fast
+        as the stage does; the copies of "offload" are not)."""
+        def times(d: dict[str, list[float]]) -> dict[str, list[float]]:
+            return {k: [x * f for x, f in zip(v, factors, strict=True)]
+                    if k in RECOMPUTING else list(v) for k, v in d.items()}
+        return PolicyPrices(dict(self.kept), times(self.forward), times(self.backward))
+
 
 def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
     """The prices of `stages` (unit names per stage) from the units' attributes (`nodes`, a

@@ -189,7 +189,9 @@ def predict_calibrated(
 def calibrated_costs(calibration: Calibration, profiled: StageCosts) -> StageCosts:
     """`profiled` with its times replaced by the measured ones. Split-backward measurements
     map directly (stage 0's empty B and whole-backward W included); an unsplit measured
-    backward is divided into input and weight grad in the profile's proportions."""
+    backward is divided into input and weight grad in the profile's proportions. The
+    activation policies' recompute prices (if priced) scale with each stage's measured over
+    profiled compute; the calibration should come from steps without recomputation."""
     if len(calibration.forward) != profiled.num_stages:
         raise ValueError(
             f"the calibration has {len(calibration.forward)} stages and the costs "
@@ -205,9 +207,16 @@ def calibrated_costs(calibration: Calibration, profiled: StageCosts) -> StageCos
             share = i / (i + w) if i + w > 0 else 1.0
             input_grad.append(full * share)
             weight_grad.append(full * (1.0 - share))
+    prices = profiled.prices
+    if prices is not None:  # recomputation runs at the stage's measured speed
+        speed = [(f + b + w) / (pf + pi + pw) if pf + pi + pw > 0 else 1.0
+                 for f, b, w, pf, pi, pw in zip(
+                     calibration.forward, input_grad, weight_grad, profiled.forward,
+                     profiled.input_grad, profiled.weight_grad, strict=True)]
+        prices = prices.at_speed(speed)
     return replace(
         profiled, forward=list(calibration.forward), input_grad=input_grad,
-        weight_grad=weight_grad,
+        weight_grad=weight_grad, prices=prices,
     )
 
 

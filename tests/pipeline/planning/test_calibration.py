@@ -193,3 +193,23 @@ def test_held_out_check_takes_given_profiled_costs() -> None:
     assert check is not None
     assert check.profiled == pytest.approx(predict(pipe.schedule, given).step_time)
     assert check.profiled > 2 * pipe.simulate(calibrated=False).step_time
+
+
+def test_recompute_prices_run_at_the_measured_speed() -> None:
+    """Calibrated costs scale "full" and "selective"'s added time with the stage's measured
+    over profiled compute (recomputation is compute); bytes and offload copies stay."""
+    from pipeline.planning.activation_plan import PolicyPrices
+    from pipeline.planning.costs import StageCosts
+
+    per = {"none": [0.0, 0.0], "full": [1.0, 2.0], "selective": [0.5, 0.5],
+           "offload": [3.0, 3.0]}
+    prices = PolicyPrices(kept=dict(per), forward=dict(per), backward=dict(per))
+    profiled = StageCosts([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], prices)
+    # F and B 6 s on stage 0, 3 s on stage 1: 4x and 2x the profiled 1 + 1 + 1.
+    trace = measured_like("1f1b", [6.0, 3.0], o=0.0, latency=0.0)
+    costs = calibrated_costs(calibrate(build_schedule("1f1b", 2, 4), [trace]), profiled)
+    assert costs.prices is not None
+    assert costs.prices.backward["full"] == pytest.approx([4.0, 4.0])
+    assert costs.prices.backward["selective"] == pytest.approx([2.0, 1.0])
+    assert costs.prices.backward["offload"] == [3.0, 3.0]
+    assert costs.prices.kept == prices.kept
