@@ -10,11 +10,11 @@ limit that "none" exceeds):
 - the step time: the median of interleaved timed steps (every policy timed once per round, so
   a busy machine slows them alike), after a warm-up step, without the counting (its hooks
   cost time: the bytes are counted in one more step);
-- the predicted step: the simulator's, from costs calibrated on the traces of the "none"
-  steps (pipeline.planning.calibration, as bench_calibration.py does) with each policy's
-  price added as the planner adds it (pipeline.planning.costs.with_policies), against the
-  median of the policy's traced steps (what the cost model predicts; bench_calibration.py
-  compares the same); for "none" itself that is the calibrated model's own error.
+- the predicted step: the simulator's, from costs calibrated on the traces of the even
+  rounds (pipeline.planning.calibration, as bench_calibration.py does), against the median
+  traced step of the odd rounds (held out; what the cost model predicts): calibrated on the
+  policy's own steps, and on the "none" steps with the policy's price added as the planner
+  adds it (pipeline.planning.costs.with_policies).
 The memory limit is per device, parameters x 4 (weights, grads, Adam's two moments)
 included: half of rank 0's "none" activations above its parameters, and at least what every
 rank needs under "full". Also per transformer block: the bytes "selective" and "full" keep
@@ -106,22 +106,27 @@ def _block_ratios(pipe: Pipeline, prefix: str) -> dict[str, float]:
 
 
 def _predicted_steps(roomy: Pipeline, pipes: dict[str, Pipeline],
-                     traces: list[Timeline]) -> dict[str, float]:
-    """Per policy the simulator's step from costs calibrated on the "none" steps' `traces`,
-    with the policy's price added (its stages' own partition: the units' measurements are
-    the same capture's)."""
+                     traces: dict[str, list[Timeline]]) -> dict[str, dict[str, float]]:
+    """Per policy the simulator's step from costs calibrated on the even rounds' traces, in
+    two ways: "own" (its own steps: the calibrated model under the policy) and "from_none"
+    (the "none" steps, with the policy's price added as the planner adds it), with the
+    median traced step of the odd rounds (held out) they predict. The stage costs are of
+    each pipe's own partition (the units' measurements are the same capture's)."""
     schedule = roomy.schedule
-    calibration = calibrate(schedule, traces)
-    predicted = {}
+    calibrations = {p: calibrate(schedule, t[0::2]) for p, t in traces.items()}
+    predicted: dict[str, dict[str, float]] = {}
     for p, pipe in pipes.items():
         policies = pipe.plan.activations if p == "auto" else [p] * STAGES
         assert policies is not None
         profiled = stage_costs(roomy.captured, pipe.plan)
-        predicted[p] = predict_calibrated(
-            schedule, calibration,
+        own = predict_calibrated(schedule, calibrations[p],
+                                 lambda step, c=profiled: calibrated_costs(step, c))  # type: ignore[misc]
+        from_none = predict_calibrated(
+            schedule, calibrations["none"],
             lambda step, c=profiled, ps=policies: with_policies(  # type: ignore[misc]
-                calibrated_costs(step, c), ps, schedule.splits_backward),
-        ).step_time
+                calibrated_costs(step, c), ps, schedule.splits_backward))
+        predicted[p] = {"held_out": statistics.median(t.step_time for t in traces[p][1::2]),
+                        "own": own.step_time, "from_none": from_none.step_time}
     return predicted
 
 
@@ -142,8 +147,7 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
     pipes = {p: _pipe(model, x, p, None) for p in POLICIES}
     pipes["auto"] = _pipe(model, x, "auto", limit)
     times: dict[str, list[float]] = {p: [] for p in pipes}
-    traced: dict[str, list[float]] = {p: [] for p in pipes}  # the traces' step times
-    traces: list[Timeline] = []  # of the "none" steps, to calibrate on
+    traces: dict[str, list[Timeline]] = {p: [] for p in pipes}
     for pipe in pipes.values():  # warm-up
         model.zero_grad(set_to_none=True)
         pipe.step(x, y)
@@ -154,9 +158,7 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
             pipe.step(x, y)
             times[p].append(time.perf_counter() - start)
             assert pipe.trace is not None
-            traced[p].append(pipe.trace.step_time)
-            if p == "none":
-                traces.append(pipe.trace)
+            traces[p].append(pipe.trace)
     predicted_steps = _predicted_steps(roomy, pipes, traces)
     # Counted in a step of its own: the counting hooks cost time the timed steps do not pay.
     meters = {p: pipe.count_saved_activations() for p, pipe in pipes.items()}
@@ -177,14 +179,18 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
             "fits_limit": all(f + a <= limit for f, a in zip(fixed, measured, strict=True)),
             "step_seconds": statistics.median(times[p]),
             "step_seconds_all": times[p],
-            "traced_step_seconds": statistics.median(traced[p]),
-            "predicted_step_seconds": predicted_steps[p],
-            "step_prediction_error": predicted_steps[p] / statistics.median(traced[p]) - 1,
+            "traced_step_seconds_held_out": predicted_steps[p]["held_out"],
+            "predicted_step_seconds_own": predicted_steps[p]["own"],
+            "predicted_step_seconds_from_none": predicted_steps[p]["from_none"],
         }
     return {"model": name, "parameters": sum(t.numel() for t in model.parameters()),
             "memory_limit": limit, "fixed_bytes": fixed, "auto_policies": auto_plan.activations,
             "plan_seconds_with_pricing": plan_seconds,
             "block_ratios": _block_ratios(roomy, block_prefix), "policies": rows}
+
+
+def _vs(predicted: float, measured: float) -> str:
+    return f"{1e3 * predicted:.0f} ms ({predicted / measured - 1:+.1%})"
 
 
 def _report(results: list[dict[str, Any]]) -> str:
@@ -195,10 +201,12 @@ def _report(results: list[dict[str, Any]]) -> str:
         f"({torch.get_num_threads()} intra-op thread(s)); step: median of {ROUNDS} interleaved "
         "steps. Peaks: activation bytes each rank holds for its backward (measured: counted by "
         "the runtime; predicted: the planner's prices at the schedule's peak). Limit: bytes per "
-        "device, parameters x 4 included. Step ms: wall clock around `pipe.step`; traced: the "
-        "step's trace (what the cost model predicts); predicted: the simulator with costs "
-        "calibrated on the \"none\" steps' traces plus each policy's priced cost (the "
-        "planner's, recomputation at the stage's measured speed).",
+        "device, parameters x 4 included. Step ms: wall clock around `pipe.step`, median of all "
+        "rounds; traced, held out: the median trace step time (what the cost model predicts) "
+        "of the odd rounds; predicted (error against it): the simulator with costs "
+        "calibrated on the even rounds' traces, of the policy's own steps, and of the "
+        "\"none\" steps plus the policy's priced cost (the planner's view before running it; "
+        "recomputation at the stage's measured speed).",
         "",
     ]
     for res in results:
@@ -211,18 +219,19 @@ def _report(results: list[dict[str, Any]]) -> str:
             f"{', '.join(res['auto_policies'])} for stages 0..3",
             "",
             "| policy | peak held per rank, measured (MiB) | predicted (MiB) | worst error "
-            "| fits the limit | step ms | traced step ms | predicted | error |",
+            "| fits the limit | step ms | traced, held out | predicted: own calibration "
+            "| from \"none\" + price |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for p, row in res["policies"].items():
+            held = row["traced_step_seconds_held_out"]
             meas = ", ".join(f"{b / MIB:.2f}" for b in row["measured_peak_bytes"])
             pred = ", ".join(f"{b / MIB:.2f}" for b in row["predicted_peak_bytes"])
             lines.append(f"| {p} | {meas} | {pred} | {row['worst_prediction_error']:.1%} | "
                          f"{'yes' if row['fits_limit'] else 'no'} | "
                          f"{1e3 * row['step_seconds']:.0f} | "
-                         f"{1e3 * row['traced_step_seconds']:.0f} | "
-                         f"{1e3 * row['predicted_step_seconds']:.0f} | "
-                         f"{row['step_prediction_error']:+.1%} |")
+                         f"{1e3 * held:.0f} | {_vs(row['predicted_step_seconds_own'], held)} | "
+                         f"{_vs(row['predicted_step_seconds_from_none'], held)} |")
         ratios = res["block_ratios"]
         lines += [
             "",

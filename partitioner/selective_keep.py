@@ -4,10 +4,11 @@ block from one probing forward, and the checkpoint context that keeps exactly th
 
 The rule (`keep_plan`):
 - the block's budget is ``budget`` x the bytes it keeps under "none" (every tensor autograd
-  saves, each storage once, parameters not counted), less its inputs that need grad (the
-  activations it receives, kept by the checkpoint anyway; the tensors needing none, token
-  ids, masks, rotary tables, are held for the whole stage: how a stage's blocks pass them
-  around must not change the choice);
+  saves, each storage once, parameters not counted), less the inputs the checkpoint keeps
+  for it: those that need grad (the activations it receives) and those "none" saves too (a
+  rotary table); an input needing no grad that no op of the block saves (token ids a
+  stage's block reads for their shape) is the stage's to hold, not the block's: how a
+  stage's blocks pass such values around must not change the choice;
 - a candidate output is worth keeping only if the recomputation would run its op: the
   non-reentrant checkpoint stops recomputing once the last tensor the backward needs is
   back, so an op running after the block's last saved tensor (the last matmul of a block,
@@ -78,6 +79,7 @@ class _Probe(TorchDispatchMode):
         self.calls: list[tuple[int, Candidate]] = []  # (ops run before it, the call)
         self.counts: dict[Any, int] = defaultdict(int)
         self.seen: set[tuple[Any, ...]] = set()  # storages counted already
+        self.held: list[torch.Tensor] = []  # so that no counted storage's memory is reused
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: Any = None) -> Any:
@@ -88,6 +90,7 @@ class _Probe(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and _storage_key(t) not in self.seen:
                     self.seen.add(_storage_key(t))
+                    self.held.append(t)
                     nbytes += t.untyped_storage().nbytes()
             self.calls.append((self.ops, Candidate(func, self.counts[func], nbytes,
                                                    _flops(func, args, kwargs, out), False)))
@@ -104,7 +107,7 @@ class KeepPlan:
     keep: dict[Any, frozenset[int]]
     none_bytes: float
     input_bytes: float
-    kept_bytes: float  # the inputs needing grad and the kept outputs
+    kept_bytes: float  # the inputs charged (see the module docstring) and the kept outputs
     candidates: tuple[Candidate, ...] = field(default=())
 
     @property
@@ -164,9 +167,11 @@ def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any
                       if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
     meter, probe = SavedBytes(), _Probe(save)
     last = [0]  # ops run before the last save
+    saved: set[tuple[Any, ...]] = set()  # storages saved
 
     def pack(t: torch.Tensor) -> Any:
         last[0] = probe.ops
+        saved.add(_storage_key(t))
         return meter._pack(t)
 
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -176,7 +181,7 @@ def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any
         del out
     inputs: dict[tuple[Any, ...], float] = {
         _storage_key(a): float(a.untyped_storage().nbytes()) for a in args
-        if isinstance(a, torch.Tensor) and a.requires_grad}
+        if isinstance(a, torch.Tensor) and (a.requires_grad or _storage_key(a) in saved)}
     candidates = tuple(Candidate(c.func, c.ordinal, c.nbytes, c.flops, before < last[0])
                        for before, c in probe.calls)
     room = None if budget is None else budget * none - sum(inputs.values())
