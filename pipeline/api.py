@@ -156,7 +156,10 @@ class Pipeline:
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
-        self._executor.compile = compile_options(compile)
+        options = compile_options(compile)
+        if options is not None and self._executor.threads_on_cpu:
+            options = options.without_gil()  # the ranks' threads must not queue on the GIL
+        self._executor.compile = options
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
         self._modes = Modes(model)  # before any plan: it needs every tensor's shape

@@ -74,6 +74,12 @@ class Executor(ABC):
             return module
         return compiled_stage(module, self.compile, self.compile_stats, splits=splits)
 
+    @property
+    def threads_on_cpu(self) -> bool:
+        """Whether this process runs several pipeline ranks in threads on CPU (they share the
+        GIL, so compiled code should not hold it)."""
+        return False
+
     def profiled_unit(self, unit: nn.Module) -> nn.Module:
         """What runs a captured unit when the planner times it: compiled as the stages will
         be (compile=), so the balance sees compiled costs; else the unit itself."""

@@ -195,6 +195,10 @@ class LocalExecutor(Executor):
         self.copy_streams = [streams.new_stream(d) for d in self.devices]
         self.runtimes: list[RankRuntime] = []
 
+    @property
+    def threads_on_cpu(self) -> bool:
+        return len(self.devices) > 1 and all(d.type == "cpu" for d in self.devices)
+
     def held(self) -> dict[int, StageModule]:
         return {} if self.planned is None else dict(enumerate(self.planned.modules))
 

@@ -8,7 +8,7 @@ runs only the weight-grad work (e.g. ``dW = dy^T x``) and never redoes the input
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,18 +48,24 @@ def trace_joint(
     args: Sequence[torch.Tensor],
     differentiable: Sequence[bool],
     weights: Iterable[int],
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> JointGraphs:
     """Trace `fn(*args)` (a tuple of tensors; `differentiable[i]`: output i requires grad)
     forward and backward, and cut the graphs. `weights`: the primal indices that are weights
-    (the others needing a grad are inputs); with both present the backward is also split."""
+    (the others needing a grad are inputs); with both present the backward is also split.
+    `decompositions`: the compiler's (inductor's: the joint graph then holds the primitive ops
+    its partitioner may recompute in the backward, as under torch.compile)."""
+    table = dict(decompositions) if decompositions is not None else None
     try:
-        joint = aot_export_joint_simple(fn, tuple(args), trace_joint=True)
+        joint = aot_export_joint_simple(fn, tuple(args), trace_joint=True,
+                                        decompositions=table)
     except RuntimeError as err:
         if "outputs that alias" not in str(err):
             raise
         # E.g. a linear layer on a 3-d input returns an _unsafe_view of its product, which
         # the joint export refuses as an output: such a region returns copies.
-        joint = aot_export_joint_simple(_copied(fn), tuple(args), trace_joint=True)
+        joint = aot_export_joint_simple(_copied(fn), tuple(args), trace_joint=True,
+                                        decompositions=table)
     if not isinstance(joint, fx.GraphModule):
         raise TypeError(f"the joint trace gave a {type(joint).__name__}, not a graph")
     num_outputs = len(differentiable)

@@ -10,6 +10,7 @@ direction. Other backends, `dynamic=True` and CUDA-graph modes go through torch.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,24 @@ class CompileOptions:
             gm, backend=self.backend, mode=self.mode, dynamic=self.dynamic,
             fullgraph=self.fullgraph, options=dict(self.options) or None,
         )
+
+    def without_gil(self) -> CompileOptions:
+        """For stages run by threads of one process on CPU: inductor's C++ wrapper, which runs
+        a whole compiled graph without holding the GIL (the default Python wrapper calls each
+        fused C++ kernel holding it, so the ranks' threads queue on it). Unchanged where the
+        settings name `cpp_wrapper` or a mode, or the backend is not inductor."""
+        if self.backend != "inductor" or self.mode is not None or "cpp_wrapper" in self.options:
+            return self
+        return dataclasses.replace(self, options={**self.options, "cpp_wrapper": True})
+
+    def decompositions(self) -> dict[Any, Callable[..., Any]] | None:
+        """What the joint trace decomposes: inductor's table (as torch.compile traces for
+        it), else nothing (a backend gets the ATen ops the stage holds)."""
+        if self.backend != "inductor":
+            return None
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
 
     def _inductor_patches(self) -> dict[str, Any] | None:
         """Inductor's settings for a standalone compile (the mode's and `options`), or None

@@ -369,7 +369,8 @@ class RegionRunner:
                 outputs = self.run(*probe)
             differentiable = [isinstance(o, Tensor) and o.requires_grad for o in outputs]
             weights = [i for i in range(self.weights) if flat[i].requires_grad]
-            joint = trace_joint(lambda *a: tuple(self.run(*a)), args, differentiable, weights)
+            joint = trace_joint(lambda *a: tuple(self.run(*a)), args, differentiable, weights,
+                                self.options.decompositions())
         for node in joint.forward.graph.nodes:
             if node.op == "output":
                 saved = node.args[0][joint.num_outputs:]

@@ -94,6 +94,21 @@ def test_compile_settings_checked() -> None:
         compile_options({"fullgraph": 1})
 
 
+def test_cpu_rank_threads_use_the_cpp_wrapper() -> None:
+    """Stages run by threads of one process on CPU compile with inductor's C++ wrapper (a
+    compiled graph then runs without holding the GIL the threads share), unless the settings
+    name it or a mode; other backends are left alone."""
+    def options(compile: Any) -> Any:
+        return Pipeline(make_model(), 2, loss_fn=lm_loss, compile=compile)._executor.compile
+
+    assert options(True).options == {"cpp_wrapper": True}
+    assert options({"options": {"cpp_wrapper": False}}).options == {"cpp_wrapper": False}
+    assert options({"mode": "max-autotune-no-cudagraphs"}).options == {}
+    assert options({"backend": RECORDER}).options == {}
+    assert options({"options": {"max_autotune": True}}).options == {
+        "max_autotune": True, "cpp_wrapper": True}
+
+
 def test_split_backward_graphs() -> None:
     """x -> gelu(x @ W^T + b) -> sum: the input-grad graph has one product (dx = g W), the
     weight-grad graph one (dW = g^T x) and reads g from what the input-grad graph keeps."""
