@@ -43,7 +43,7 @@ from launch import torchrun
 from report import write_results
 from torch import nn
 
-WORLD, LAYERS, DIM, ROUNDS = 4, 16, 1536, 5
+WORLD, LAYERS, DIM, ROUNDS = 4, 16, 1536, 16  # even: each order as often
 
 
 def _rss() -> int:
@@ -234,28 +234,41 @@ def _report(data: dict[str, Any], summary: dict[str, dict[str, float]]) -> str:
         ]
         for kind in ("save", "load")
     }
-    cost = {kind: summary[f"sharded {kind}"]["seconds"] / summary[f"unchecked {kind}"]["seconds"]
-            - 1 for kind in ("save", "load")}
-    crc_share = {kind: summary[f"sharded {kind}"]["crc_seconds"]
-                 / summary["sharded save"]["seconds"] for kind in ("save", "load")}
     lines += [
         "",
-        f"Checksums (CRC32C, {data['crc32c_gb_per_s']:.2f} GB/s on one core here): the "
-        f"sharded save takes {100 * cost['save']:+.1f}% and the sharded load "
-        f"{100 * cost['load']:+.1f}% against the same operations unchecked (medians). Time "
-        "inside CRC32C itself (the slowest process, median): "
-        f"save {1e3 * summary['sharded save']['crc_seconds']:.1f} ms, load "
-        f"{1e3 * summary['sharded load']['crc_seconds']:.1f} ms, i.e. "
-        f"{100 * crc_share['save']:.1f}% and {100 * crc_share['load']:.1f}% of the checksummed "
-        "save's time.",
+        *_checksum_lines(data, summary),
         "",
-        f"Sharded vs gathered speed: save {ratio['save']:.2f}x (per round "
-        + ", ".join(f"{v:.2f}" for v in per_round["save"]) + f"), load {ratio['load']:.2f}x "
-        "(per round " + ", ".join(f"{v:.2f}" for v in per_round["load"]) + ").",
+        f"Sharded vs gathered speed: save {ratio['save']:.2f}x (per round, median and "
+        f"quartiles: {_quartiles(per_round['save'], '.2f')}), load {ratio['load']:.2f}x "
+        f"({_quartiles(per_round['load'], '.2f')}).",
         "",
         "Command: `.venv/bin/python benchmarks/bench_checkpoint.py`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _checksum_lines(data: dict[str, Any], summary: dict[str, dict[str, float]]) -> list[str]:
+    """What the checksums cost: time inside CRC32C, and checked minus unchecked per round."""
+    def seconds(op: str, k: int) -> float:
+        return float(next(r["seconds"] for r in data["rows"] if r["round"] == k and r["op"] == op))
+
+    diff = {kind: [1e3 * (seconds(f"sharded {kind}", k) - seconds(f"unchecked {kind}", k))
+                   for k in range(ROUNDS)] for kind in ("save", "load")}
+    save = summary["sharded save"]["seconds"]
+    crc = {kind: summary[f"sharded {kind}"]["crc_seconds"] for kind in ("save", "load")}
+    return [
+        f"Checksums (CRC32C, {data['crc32c_gb_per_s']:.2f} GB/s on one core here): time inside "
+        f"CRC32C itself (the slowest process, median): save {1e3 * crc['save']:.1f} ms, load "
+        f"{1e3 * crc['load']:.1f} ms, i.e. {100 * crc['save'] / save:.1f}% and "
+        f"{100 * crc['load'] / save:.1f}% of the checksummed save's time. Checked minus "
+        f"unchecked, paired within each of the {ROUNDS} rounds (median, quartiles): "
+        + "; ".join(f"{kind} {_quartiles(diff[kind])} ms" for kind in ("save", "load")) + ".",
+    ]
+
+
+def _quartiles(values: list[float], spec: str = "+.1f") -> str:
+    low, mid, high = statistics.quantiles(values, n=4)
+    return f"{mid:{spec}} ({low:{spec}} to {high:{spec}})"
 
 
 def main() -> None:
