@@ -5,8 +5,10 @@ gathered gradient, 10-step loss curves, a batch-shape change, forward, the gathe
 checkpoint resharding (pp=2 dp=2 -> pp=4 dp=1 -> one process), and failures (a rank that
 raises, a rank killed with SIGKILL) ending every process with a message naming the failed rank.
 
-Each launch runs many checks, because starting a process with torch costs seconds here. This
-file is also the worker: ``python <this file> WORKER OUT_DIR`` (run by `launch`).
+Each launch runs many checks, because starting a process with torch costs seconds here, and
+captures with torch.fx (0.1 s; torch.export takes seconds a process, and is what
+test_distributed_real.py runs), except the model built on the meta device. This file is also
+the worker: ``python <this file> WORKER OUT_DIR`` (run by `launch`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _check_batchnorm_replicas() -> None:
     x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g,
                                                                           dtype=torch.float64)
     pipe = Pipeline(_bn_model(), stages=2, microbatches=2, loss_fn=F.mse_loss,
-                    balance="parameters")
+                    balance="parameters", capture_method="fx")
     ctx = pipe.distributed
     assert ctx is not None and ctx.layout.data_parallel == 2
     d = ctx.layout.dp_rank
@@ -111,7 +113,7 @@ def worker_matrix(out: Path) -> None:
     # Replicas start from replica 0's weights even when the processes seeded differently.
     odd = Pipeline(make_model(seed=100 + dist.get_rank()), stages=2, schedule="1f1b",
                    microbatches=4, loss_fn=lm_loss, balance="parameters",
-                   example_input=global_batch(0, BATCH)[0])
+                   capture_method="fx", example_input=global_batch(0, BATCH)[0])
     assert odd.distributed is not None
     flat = torch.cat([p.detach().reshape(-1) for p in odd.parameters()])
     seen = [torch.empty_like(flat) for _ in range(2)]
@@ -120,7 +122,7 @@ def worker_matrix(out: Path) -> None:
     _check_batchnorm_replicas()
     # simulate() works on every rank: the costs rank 0 profiled travel with the plan.
     profiled = Pipeline(make_model(), stages=2, schedule="1f1b", microbatches=4,
-                        loss_fn=lm_loss, balance="profile",
+                        loss_fn=lm_loss, balance="profile", capture_method="fx",
                         example_input=global_batch(0, BATCH)[0])
     predicted = [0.0] * dist.get_world_size()
     dist.all_gather_object(predicted, profiled.simulate().step_time)
@@ -141,7 +143,7 @@ def worker_matrix(out: Path) -> None:
         opt.step()
         ref_opt.step()
     b = Pipeline(make_model(seed=7), stages=4, schedule="1f1b", microbatches=4,
-                 loss_fn=lm_loss, balance="parameters")
+                 loss_fn=lm_loss, balance="parameters", capture_method="fx")
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1)  # hyper-parameters come from the checkpoint
     extra = b.load_checkpoint(out / "a3.pt", optimizer=opt_b)
     assert extra == {"step": 3}, extra
@@ -245,7 +247,7 @@ def _failing_run(victim: int, action: Callable[[], None], stages: int) -> None:
     init_worker()
     x, y = global_batch(0, BATCH)
     pipe = Pipeline(make_model(), stages=stages, schedule="1f1b", microbatches=4,
-                    loss_fn=lm_loss, balance="parameters", example_input=x)
+                    loss_fn=lm_loss, balance="parameters", capture_method="fx", example_input=x)
     if dist.get_rank() == victim:
         _fail_on_step(pipe, 2, action)
     for _ in range(5):
@@ -302,7 +304,7 @@ def test_transparency_layouts_and_resharding(tmp_path: Path) -> None:
     # One process (local executor) from the pp=4 checkpoint: same parameters as the pp=2 dp=2
     # run had after step 6, and the same next losses.
     pipe = Pipeline(make_model(seed=9), stages=2, schedule="1f1b", microbatches=4,
-                    loss_fn=lm_loss, balance="parameters")
+                    loss_fn=lm_loss, balance="parameters", capture_method="fx")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     assert pipe.load_checkpoint(tmp_path / "b6.pt", optimizer=opt) == {"step": 6}
     expected = torch.load(tmp_path / "a6-state.pt")

@@ -8,10 +8,11 @@ The same for T5 (an embedding tied three ways, a split backward) at pp=4 zbv and
 zb-h1, and for ALBERT (one layer called 6 times, one unit per call, its weights on every rank)
 at pp=4 1F1B and pp=2 x dp=2 zb-h1.
 
-One launch loops over every case (starting a process with torch costs seconds), on one model
-per pipeline size given back its initial tensors before each case, so each process exports GPT-2
-once per size (`tests.support.capture_memo`; export took most of this test's time). This file
-is also the worker: ``python <this file> tied OUT_DIR``."""
+One launch runs every case of both tests (starting a process with torch costs seconds), on
+one model per family given back its initial tensors before each case, so each process exports
+each model once (`tests.support.capture_memo`: both pipeline sizes capture on the same two-row
+microbatch; export took most of this test's time). This file is also the worker:
+``python <this file> real OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from scheduler import SCHEDULES
-from tests.support.distributed import all_ok, launch
+from tests.support.distributed import Ended, all_ok, dump, launch
 
 ATOL = 1e-9
 ROWS = 8  # per replica
@@ -41,17 +42,17 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _check_model(name: str, cases: dict[int, list[tuple[str, int]]]) -> None:
-    """`cases[pp]`: (schedule, SGD steps) run on one model per pipeline size, given back its
-    initial tensors before each case; every loss, gathered gradient and the gathered state
-    against the single-process model."""
+    """`cases[pp]`: (schedule, SGD steps) run on one model, given back its initial tensors
+    before each case; every loss, gathered gradient and the gathered state against the
+    single-process model."""
     from pipeline import Pipeline
     from pipeline.checkpoint import gather_named
     from tests.support.real_models import SPECS, build
 
     loss_fn = SPECS[name].loss_fn
+    model = build(name)
+    initial = {k: t.detach().clone() for k, t in _tensors(model)}
     for pp, schedules in cases.items():
-        model = build(name)
-        initial = {k: t.detach().clone() for k, t in _tensors(model)}
         for schedule, steps in schedules:
             label = f"{name} pp={pp} {schedule}"
             ref = build(name)
@@ -100,7 +101,7 @@ def _check_model(name: str, cases: dict[int, list[tuple[str, int]]]) -> None:
                                                msg=f"{label}: state {k}")
 
 
-def worker_tied(out: Path) -> None:
+def worker_real(out: Path) -> None:
     import torch.distributed as dist
 
     from pipeline.planning import planner
@@ -119,33 +120,31 @@ def worker_tied(out: Path) -> None:
     # relative position bias each stack's first stage makes and sends on, under a split
     # backward.
     _check_model("t5", {4: [("zbv", 1)], 2: [("zb-h1", 1)]})
-    dist.destroy_process_group()
-    print("worker tied: every check ran")
-
-
-def worker_shared(out: Path) -> None:
-    """ALBERT's one layer called 6 times: one unit per call, spread by parameters over the
-    ranks, so the layer's weights live on every rank and are handled as a tie."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    print("worker tied: every check ran", flush=True)
+    # ALBERT's one layer called 6 times: one unit per call, spread by parameters over the
+    # ranks, so the layer's weights live on every rank and are handled as a tie.
     _check_model("albert", {4: [("1f1b", 2)], 2: [("zb-h1", 1)]})
     dist.destroy_process_group()
     print("worker shared: every check ran")
 
 
-WORKERS = {"tied": worker_tied, "shared": worker_shared}
+WORKERS = {"real": worker_real}
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> list[Ended]:
+    """One launch for both tests: each checks the part of the run its marker ends."""
+    return launch("real", 4, tmp_path_factory.mktemp("real"), deadline=290.0, script=__file__)
 
 
 @pytest.mark.slow
-def test_tied_gpt2_every_schedule(tmp_path: Path) -> None:
-    all_ok(launch("tied", 4, tmp_path, deadline=400.0, script=__file__), "tied")
+def test_tied_gpt2_every_schedule(real_run: list[Ended]) -> None:
+    assert all("worker tied: every check ran" in e.output for e in real_run), dump(real_run)
 
 
 @pytest.mark.slow
-def test_shared_layer_calls_on_several_ranks(tmp_path: Path) -> None:
-    all_ok(launch("shared", 4, tmp_path, deadline=300.0, script=__file__), "shared")
+def test_shared_layer_calls_on_several_ranks(real_run: list[Ended]) -> None:
+    all_ok(real_run, "shared")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ a step then equals the unsplit run in float64, and a second one, accumulated in 
 first step on every rank at once, naming the parameters; a Llama loaded from a state dict gets
 its rotary inv_freq.
 
-This file is also the worker: ``python <this file> WORKER OUT_DIR``.
+This file is also the worker: ``python <this file> meta OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.distributed import all_ok, launch
+from tests.support.distributed import Ended, all_ok, dump, launch
 
 SEED = 11
 
@@ -49,7 +49,7 @@ def _reference(name: str) -> tuple[torch.nn.Module, float]:
     return model, float(loss.detach())
 
 
-def _worker_init(out: Path) -> None:
+def _init_checks(out: Path) -> None:
     """Every process: init from scratch on meta, gather the weights and grads on rank 0."""
     import torch.distributed as dist
 
@@ -57,8 +57,6 @@ def _worker_init(out: Path) -> None:
     from pipeline.checkpoint import gather_named
     from tests.support.models import lm_loss
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     stages = dist.get_world_size()
     x, y = _batch()
     results = {}
@@ -89,11 +87,10 @@ def _worker_init(out: Path) -> None:
         else:
             results[name] = {"own": own, "total": total}
     (out / f"init{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
     print("worker init: every check ran", flush=True)
 
 
-def _worker_load(out: Path) -> None:
+def _load_checks(out: Path) -> None:
     """A meta Llama with no weights: the first step fails on every rank at once, naming them.
     Then one loaded from a state dict file (mmap): its inv_freq comes from the init."""
     import torch.distributed as dist
@@ -101,8 +98,6 @@ def _worker_load(out: Path) -> None:
     from pipeline import Pipeline
     from tests.support.models import lm_loss
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     x, y = _batch()
     stages = dist.get_world_size()
     with torch.device("meta"):
@@ -122,19 +117,57 @@ def _worker_load(out: Path) -> None:
     pipe.load_state_dict(torch.load(out / "weights.pt", mmap=True, weights_only=True))
     loss = float(pipe.step({"input_ids": x}, y))
     (out / f"load{dist.get_rank()}.json").write_text(json.dumps({"loss": loss}))
-    dist.destroy_process_group()
     print("worker load: every check ran", flush=True)
 
 
-WORKERS = {"init": _worker_init, "load": _worker_load}
+def _worker(out: Path) -> None:
+    """The init checks; at world 2 the load checks after them in the same processes (a
+    process start with torch costs seconds here)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    _init_checks(out)
+    if dist.get_world_size() == 2:
+        _load_checks(out)
+    dist.destroy_process_group()
+
+
+WORKERS = {"meta": _worker}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list[Ended]]]:
+    """The launches, made on first use: world size -> (their directory, how they ended)."""
+    return {}
+
+
+def _launched(runs: dict[int, tuple[Path, list[Ended]]], world: int,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Ended]]:
+    if world not in runs:
+        out = tmp_path_factory.mktemp(f"world{world}")
+        if world == 2:  # the load checks' weights, made whole in this process
+            ref, ref_loss = _reference("llama")
+            torch.save(ref.state_dict(), out / "weights.pt")
+            (out / "ref.json").write_text(json.dumps({"loss": ref_loss}))
+        # The load checks wait for nothing that fails: the timeout only bounds the meta step's
+        # failure (asserted well within it).
+        runs[world] = out, launch("meta", world, out, script=__file__, timeout=60.0,
+                                  deadline=290.0)
+    return runs[world]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 4])
-def test_meta_init_is_layout_independent(tmp_path: Path, stages: int) -> None:
-    ended = launch("init", stages, tmp_path, script=__file__, deadline=400.0)
-    all_ok(ended, "init")
-    found = [json.loads((tmp_path / f"init{r}.json").read_text()) for r in range(stages)]
+def test_meta_init_is_layout_independent(
+    runs: dict[int, tuple[Path, list[Ended]]], tmp_path_factory: pytest.TempPathFactory,
+    stages: int,
+) -> None:
+    out, ended = _launched(runs, stages, tmp_path_factory)
+    assert all("worker init: every check ran" in e.output for e in ended), dump(ended)
+    if stages == 4:
+        assert all(e.returncode == 0 for e in ended), dump(ended)
+    found = [json.loads((out / f"init{r}.json").read_text()) for r in range(stages)]
     for name in found[0]:
         assert found[0][name]["loss"] == pytest.approx(found[0][name]["ref"], abs=1e-10)
         # Each process holds its share, not the model: the shares add up to about the whole.
@@ -143,11 +176,12 @@ def test_meta_init_is_layout_independent(tmp_path: Path, stages: int) -> None:
 
 
 @pytest.mark.slow
-def test_meta_unset_then_loaded_weights(tmp_path: Path) -> None:
-    ref, ref_loss = _reference("llama")
-    torch.save(ref.state_dict(), tmp_path / "weights.pt")
-    ended = launch("load", 2, tmp_path, script=__file__, timeout=60.0, deadline=300.0)
+def test_meta_unset_then_loaded_weights(
+    runs: dict[int, tuple[Path, list[Ended]]], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tmp_path, ended = _launched(runs, 2, tmp_path_factory)
     all_ok(ended, "load")
+    ref_loss = json.loads((tmp_path / "ref.json").read_text())["loss"]
     for e in ended:
         line = next(t for t in e.output.splitlines() if t.startswith("step failed after"))
         assert float(line.split()[3]) < 30.0, line  # well within the 60 s timeout

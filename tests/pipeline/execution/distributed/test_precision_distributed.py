@@ -37,8 +37,9 @@ def _rows(x: Any, d: int) -> Any:
 
 def _check(model: torch.nn.Module, x: Any, y: torch.Tensor, loss_fn: Any,
            cases: list[tuple[torch.dtype, str]], tied: frozenset[str] = frozenset(),
-           shard: str | None = None) -> None:
-    """Each (dtype, schedule): one step's loss and gathered grads against the reference."""
+           shard: str | None = None, capture: str = "auto") -> None:
+    """Each (dtype, schedule): one step's loss and gathered grads against the reference;
+    `capture`: the Pipeline's capture_method."""
     from pipeline import Pipeline
     from pipeline.checkpoint import gather_named
     from tests.support.precision import M, reference
@@ -60,7 +61,8 @@ def _check(model: torch.nn.Module, x: Any, y: torch.Tensor, loss_fn: Any,
             t.data = initial[k].clone()
         model.zero_grad()
         pipe = Pipeline(model, stages=2, schedule=schedule, microbatches=M, loss_fn=loss_fn,
-                        balance="parameters", mixed_precision=dtype, shard=shard)
+                        balance="parameters", mixed_precision=dtype, shard=shard,
+                        capture_method=capture)
         ctx = pipe.distributed
         assert ctx is not None and ctx.layout.data_parallel == 2
         d = ctx.layout.dp_rank
@@ -96,7 +98,7 @@ def _overflow_in_one_replica() -> None:
     model = mlp_model()
     x, y = float_batch(0, 2 * ROWS)
     pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, balance="uniform",
-                    mixed_precision=torch.float16)
+                    mixed_precision=torch.float16, capture_method="fx")
     ctx = pipe.distributed
     assert ctx is not None and pipe.scaler is not None
     d = ctx.layout.dp_rank
@@ -134,7 +136,8 @@ def _bf16_gradient_average() -> None:
     base = copy.deepcopy(model)
     x, y = float_batch(0, 2 * ROWS)
     pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, balance="uniform",
-                    mixed_precision=torch.bfloat16, reduce_dtype=torch.bfloat16)
+                    mixed_precision=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                    capture_method="fx")
     ctx = pipe.distributed
     assert ctx is not None
     d = ctx.layout.dp_rank
@@ -167,9 +170,13 @@ def worker_amp(out: Path) -> None:
     x, y = float_batch(0, 2 * ROWS)
     _check(res_model(), x, y, mse,
            [(dtype, s) for dtype in (torch.bfloat16, torch.float16) for s in sorted(SCHEDULES)])
-    for shard in ("optimizer", "full"):  # ZeRO-1 and FSDP2 under autocast, fp16 unscaled
+    # ZeRO-1 and FSDP2 under autocast, fp16 unscaled (a new model each: FSDP2 keeps its
+    # model). These and the two checks below test what the executor does with the stages'
+    # gradients, the same for either capture: fx (0.1 s a Pipeline; torch.export takes
+    # seconds a process, and is run above and on the Hugging Face models).
+    for shard in ("optimizer", "full"):
         for case in [(torch.bfloat16, "1f1b"), (torch.float16, "zb-h1")]:
-            _check(res_model(), x, y, mse, [case], shard=shard)  # FSDP2 keeps its model
+            _check(res_model(), x, y, mse, [case], shard=shard, capture="fx")
     _overflow_in_one_replica()
     _bf16_gradient_average()
     for name, cases in [("gpt2", [(torch.bfloat16, "1f1b"), (torch.float16, "interleaved-1f1b")]),

@@ -5,7 +5,7 @@ Adam state, and keeps training exactly as the unsplit model does (float64: every
 at the end, every weight). A rank that fails during the move ends every process with an error
 naming it, each still on the old plan.
 
-This file is also the worker: ``python <this file> WORKER OUT_DIR`` (run by `launch`)."""
+This file is also the worker: ``python <this file> parts OUT_DIR`` (run by `launch`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.distributed import ATOL, all_ok, init_worker, launch, replica_slice
+from tests.support.distributed import (
+    ATOL,
+    Ended,
+    all_ok,
+    dump,
+    init_worker,
+    launch,
+    replica_slice,
+)
 from tests.support.models import global_batch, lm_loss, make_model
 
 # ---------------------------------------------------------------------------------------------
@@ -105,41 +113,33 @@ def _run(pp: int, schedule: str, *, auto: bool, steps: int = 6, dp: int = 1,
     return pipe, first
 
 
-def worker_adam_1f1b(out: Path) -> None:
+def part_adam_1f1b() -> None:
     """pp=2, 1F1B, rebalance=True: re-balanced after the third step's backward (its grads
     and the Adam state move), then trained on; after the fifth step the schedule is
     re-synthesised from the measured costs (a split-backward schedule of the same ranks)."""
-    init_worker()
     _run(2, "1f1b", auto=True, steps=8, resynthesize_at=4)
-    print("worker adam_1f1b: every check ran", flush=True)
 
 
-def worker_dp2(out: Path) -> None:
+def part_dp2() -> None:
     """pp=2 x dp=2, 1F1B, shard="optimizer" (ZeRO-1), rebalance=True: every replica moves its
     own units (the slowest replica's times count); the Adam state, kept by each parameter's
     owning replica, is gathered, moved and partitioned anew over the new parameters."""
-    init_worker()
     _run(2, "1f1b", auto=True, dp=2, shard="optimizer")
-    print("worker dp2: every check ran", flush=True)
 
 
-def worker_fsdp(out: Path) -> None:
+def part_fsdp() -> None:
     """pp=2 x dp=2, 1F1B, shard="full" (FSDP2), AdamW, pipe.rebalance() after the third
     step's backward: the moved units' parameters, gradients and AdamW moments (dim-0 shards
     over the replicas) are gathered whole, moved, and sharded anew with the new stages."""
-    init_worker()
     _run(2, "1f1b", auto=False, dp=2, shard="full", optimizer=torch.optim.AdamW)
-    print("worker fsdp: every check ran", flush=True)
 
 
-def worker_zb_pp4(out: Path) -> None:
+def part_zb_pp4() -> None:
     """pp=4, zb-h1 (split backward), pipe.rebalance() between two steps."""
-    init_worker()
     _run(4, "zb-h1", auto=False)
-    print("worker zb_pp4: every check ran", flush=True)
 
 
-def worker_fail_move(out: Path) -> None:
+def part_fail_move() -> None:
     """Pipeline rank 1 raises while the units move: every process raises (rank 0 a
     RankFailure naming rank 1) and keeps the old plan."""
     import torch.distributed as dist
@@ -147,7 +147,6 @@ def worker_fail_move(out: Path) -> None:
     from pipeline import Pipeline
     from pipeline.execution.distributed import RankFailure, moves
 
-    init_worker()
     rank = dist.get_rank()
     model = _tied_model()
     _slow_down(model, rank == 1)
@@ -170,34 +169,64 @@ def worker_fail_move(out: Path) -> None:
     else:
         raise AssertionError("the move's failure was not raised")
     assert pipe.plan.sizes == sizes and pipe.rebalanced is None, (pipe.plan.sizes, sizes)
-    print("worker fail_move: every check ran", flush=True)
 
 
-WORKERS: dict[str, Callable[[Path], None]] = {
-    "adam_1f1b": worker_adam_1f1b,
-    "zb_pp4": worker_zb_pp4,
-    "dp2": worker_dp2,
-    "fsdp": worker_fsdp,
-    "fail_move": worker_fail_move,
+# One launch per world size runs its parts in turn (a process start with torch costs seconds
+# here); each part prints its marker when its checks passed. The failing move comes last.
+PARTS: dict[int, dict[str, Callable[[], None]]] = {
+    2: {"adam_1f1b": part_adam_1f1b, "fail_move": part_fail_move},
+    4: {"zb_pp4": part_zb_pp4, "dp2": part_dp2, "fsdp": part_fsdp},
 }
+
+
+def worker_parts(out: Path) -> None:
+    import torch.distributed as dist
+
+    init_worker()
+    for name, part in PARTS[dist.get_world_size()].items():
+        part()
+        print(f"worker {name}: every check ran", flush=True)
+
+
+WORKERS: dict[str, Callable[[Path], None]] = {"parts": worker_parts}
 
 # ---------------------------------------------------------------------------------------------
 # Tests (run in pytest)
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Ended]]:
+    """The launches, made on first use: world size -> how its processes ended."""
+    return {}
+
+
+def _part_ran(runs: dict[int, list[Ended]], world: int, name: str,
+              tmp_path_factory: pytest.TempPathFactory) -> None:
+    if world not in runs:
+        runs[world] = launch("parts", world, tmp_path_factory.mktemp(f"world{world}"),
+                             script=__file__, timeout=20, deadline=280)
+    ended = runs[world]
+    assert all(f"worker {name}: every check ran" in e.output for e in ended), dump(ended)
+    if name == list(PARTS[world])[-1]:
+        all_ok(ended, name)  # and every process exited cleanly
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("worker", "world"), [("adam_1f1b", 2), ("zb_pp4", 4),
                                                         ("dp2", 4), ("fsdp", 4)])
-def test_rebalance_moves_units_and_trains_exactly(tmp_path: Path, worker: str,
-                                                  world: int) -> None:
-    all_ok(launch(worker, world, tmp_path, script=__file__, deadline=240), worker)
+def test_rebalance_moves_units_and_trains_exactly(
+    runs: dict[int, list[Ended]], tmp_path_factory: pytest.TempPathFactory, worker: str,
+    world: int,
+) -> None:
+    _part_ran(runs, world, worker, tmp_path_factory)
 
 
 @pytest.mark.slow
-def test_failure_during_the_move_keeps_the_old_plan(tmp_path: Path) -> None:
-    ended = launch("fail_move", 2, tmp_path, script=__file__, timeout=20)
-    all_ok(ended, "fail_move")
+def test_failure_during_the_move_keeps_the_old_plan(
+    runs: dict[int, list[Ended]], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _part_ran(runs, 2, "fail_move", tmp_path_factory)
 
 
 if __name__ == "__main__":
