@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,10 @@ def trace_joint(
     (the others needing a grad are inputs); with both present the backward is also split.
     `decompositions`: the compiler's (inductor's: the joint graph then holds the primitive ops
     its partitioner may recompute in the backward, as under torch.compile)."""
+    # Imported here: they load torch._dynamo (a second a process) and only compiling uses them.
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
     table = dict(decompositions) if decompositions is not None else None
     try:
         joint = aot_export_joint_simple(fn, tuple(args), trace_joint=True,

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._inductor
 from torch import Tensor
 
 _KEYS = ("mode", "backend", "dynamic", "fullgraph", "options")
@@ -66,6 +65,8 @@ class CompileOptions:
         where torch.compile must do it: another backend, dynamic shapes, CUDA graphs."""
         if self.backend != "inductor" or self.dynamic:
             return None
+        import torch._inductor  # here, not at the top: it costs a second a process to import
+
         patches = dict(torch._inductor.list_mode_options(self.mode)) if self.mode else {}
         patches.update(self.options)
         if patches.get("triton.cudagraphs"):
@@ -103,6 +104,8 @@ def compile_options(value: object) -> CompileOptions | None:
     backend = value.get("backend", "inductor")
     if not (isinstance(backend, str) or callable(backend)):
         raise TypeError(f"compile backend must be a name or a callable, got {backend!r}")
+    import torch._dynamo  # here, not at the top: it costs a second a process to import
+
     if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(
             f"compile backend {backend!r} is not a torch.compile backend; use one of "
@@ -133,6 +136,8 @@ class _Standalone:
 
     def __call__(self, *args: Tensor) -> Any:
         if self.run is None:
+            import torch._inductor
+
             with _COMPILING:
                 self.run = torch._inductor.standalone_compile(
                     self.gm, list(args), dynamic_shapes="from_example_inputs",
