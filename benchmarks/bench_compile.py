@@ -173,8 +173,17 @@ def step_times(label: str, build: Callable[[], nn.Module]) -> dict[str, Any]:
         "unsplit_speedup": unsplit, "pipeline_speedup": pipeline,
         "ratio": pipeline / unsplit, "compile": str(stats),
         "python_wrapper_speedup": wrapped, "python_wrapper_ratio": wrapped / unsplit,
+        "paired_ratio": _paired(samples, "pipeline compiled"),
         "compile_seconds": stats.seconds, "wall_s": time.perf_counter() - start,
     }
+
+
+def _paired(samples: dict[str, list[float]], compiled: str) -> float:
+    """The ratio round by round (the four runs of a round meet the same load on the shared
+    machine), its median over the rounds."""
+    rounds = zip(samples["pipeline eager"], samples[compiled], samples["unsplit eager"],
+                 samples["unsplit compiled"], strict=True)
+    return statistics.median((pe / pc) / (ue / uc) for pe, pc, ue, uc in rounds)
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"demo GPT": demo_gpt, "Llama (transformers)": Llama}
@@ -272,10 +281,15 @@ def _report(data: dict[str, Any]) -> str:
         f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared), "
         f"torch {torch.__version__}, inductor C++ backend, 1 intra-op thread; "
         f"{ROWS} rows x {SEQ} tokens, pp=2, {M} microbatches, 1F1B; "
-        f"median of {REPEATS} interleaved rounds after {WARMUP} warm-up steps.", "",
+        f"median of {REPEATS} interleaved rounds after {WARMUP} warm-up steps. The ratio is "
+        "(pipeline eager / pipeline compiled) / (unsplit eager / unsplit compiled) of the "
+        "medians; the paired ratio is that ratio taken within each round, its median "
+        "(less sensitive to the load of other users of the machine moving between rounds).",
+        "",
         "| model | unsplit eager | unsplit compiled | speedup | pipeline eager | "
-        "pipeline compiled | speedup | ratio (goal >= 0.95) | with the Python wrapper | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "pipeline compiled | speedup | ratio (goal >= 0.95) | paired ratio | "
+        "with the Python wrapper | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["steps"]:
         m = r["median_s"]
@@ -283,7 +297,7 @@ def _report(data: dict[str, Any]) -> str:
             f"| {r['model']} | {m['unsplit eager'] * 1e3:.0f} ms | "
             f"{m['unsplit compiled'] * 1e3:.0f} ms | {r['unsplit_speedup']:.2f}x | "
             f"{m['pipeline eager'] * 1e3:.0f} ms | {m['pipeline compiled'] * 1e3:.0f} ms | "
-            f"{r['pipeline_speedup']:.2f}x | {r['ratio']:.2f} | "
+            f"{r['pipeline_speedup']:.2f}x | {r['ratio']:.2f} | {r['paired_ratio']:.2f} | "
             f"{m['pipeline compiled (Python wrapper)'] * 1e3:.0f} ms "
             f"({r['python_wrapper_speedup']:.2f}x) | {r['python_wrapper_ratio']:.2f} |")
     lines += ["", "Under torchrun (2 gloo processes, one stage each, 1 thread each; the unsplit "

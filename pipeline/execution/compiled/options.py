@@ -11,6 +11,7 @@ direction. Other backends, `dynamic=True` and CUDA-graph modes go through torch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -138,9 +139,17 @@ class _Standalone:
         if self.run is None:
             import torch._inductor
 
+            # standalone_compile also packs the graph for saving, which is not wanted here;
+            # where that finds nothing new (a cache hit) it logs a warning: kept quiet.
+            quiet = logging.getLogger("torch._inductor.standalone_compile")
             with _COMPILING:
-                self.run = torch._inductor.standalone_compile(
-                    self.gm, list(args), dynamic_shapes="from_example_inputs",
-                    options={"config_patches": self.patches},
-                )
+                level = quiet.level
+                quiet.setLevel(logging.ERROR)
+                try:
+                    self.run = torch._inductor.standalone_compile(
+                        self.gm, list(args), dynamic_shapes="from_example_inputs",
+                        options={"config_patches": self.patches},
+                    )
+                finally:
+                    quiet.setLevel(level)
         return self.run(*args)
