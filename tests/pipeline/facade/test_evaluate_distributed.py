@@ -7,12 +7,13 @@ model's eval() loss on the gathered weights (also with shard="full": the stages'
 under FSDP2); the metrics count every replica's samples; each replica's sampler deals the data
 as DistributedSampler over the replicas.
 
-This file is also the worker: ``python FILE WORKER OUT_DIR``."""
+This file is also the worker: ``python FILE parts OUT_DIR``."""
 
 from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from tests.support.distributed import all_ok, init_worker, launch, replica_slice
+from tests.support.distributed import Ended, all_ok, dump, init_worker, launch, replica_slice
 from tests.support.models import bn_batch, bn_model, microbatched_loss
 
 M = 4  # microbatches per replica
@@ -55,11 +56,9 @@ def _reference_eval(ref: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dp: 
     return float(loss)
 
 
-def worker_train_eval(out: Path) -> None:
-    init_worker()
+def _part_train_eval() -> None:
     for schedule in ("1f1b", "interleaved-1f1b", "zbv"):
         _train_eval(schedule)
-    print("worker train_eval: every check ran", flush=True)
 
 
 def _train_eval(schedule: str) -> None:
@@ -100,10 +99,9 @@ def _train_eval(schedule: str) -> None:
         DistributedSampler(data, num_replicas=dp, rank=d, seed=3))
 
 
-def worker_dropout(out: Path, shard: str | None = None) -> None:
+def _part_dropout(shard: str | None = None) -> None:
     from pipeline import Pipeline
 
-    init_worker()
     model, ref = bn_model(dropout=0.3), bn_model(dropout=0.3)
     pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=F.cross_entropy, shard=shard,
                     example_input=bn_batch(0)[0])
@@ -125,17 +123,39 @@ def worker_dropout(out: Path, shard: str | None = None) -> None:
         ref.load_state_dict(state)
         expected = _reference_eval(ref, vx, vy, dp)
         assert abs(got - expected) < 1e-12, (got, expected)
-    print(f"worker dropout{'_' + shard if shard else ''}: every check ran", flush=True)
 
 
-WORKERS = {"train_eval": worker_train_eval, "dropout": worker_dropout,
-           "dropout_full": lambda out: worker_dropout(out, shard="full")}
+PARTS: dict[str, Callable[[], None]] = {
+    "dropout": _part_dropout,
+    "dropout_full": lambda: _part_dropout(shard="full"),
+    "train_eval": _part_train_eval,
+}
+
+
+def worker_parts(out: Path) -> None:
+    """Every part in turn in one launch (a process start with torch costs seconds here), each
+    printing its marker when its checks passed."""
+    init_worker()
+    for name, part in PARTS.items():
+        part()
+        print(f"worker {name}: every check ran", flush=True)
+
+
+WORKERS = {"parts": worker_parts}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> list[Ended]:
+    return launch("parts", 4, tmp_path_factory.mktemp("parts"), timeout=60.0, deadline=290.0,
+                  script=__file__)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("worker", sorted(WORKERS))
-def test_train_and_evaluate_pp2_dp2(worker: str, tmp_path: Path) -> None:
-    all_ok(launch(worker, 4, tmp_path, timeout=60.0, deadline=240.0, script=__file__), worker)
+@pytest.mark.parametrize("worker", list(PARTS))
+def test_train_and_evaluate_pp2_dp2(worker: str, run: list[Ended]) -> None:
+    assert all(f"worker {worker}: every check ran" in e.output for e in run), dump(run)
+    if worker == list(PARTS)[-1]:
+        all_ok(run, worker)  # and every process exited cleanly
 
 
 if __name__ == "__main__":
