@@ -1,10 +1,10 @@
-"""Compiled stages under torchrun (gloo processes): at pp=2 a ZB-H1 step of the tiny GPT with
-``compile=`` equals the unsplit model (float64, 1e-10); at pp=2 x dp=2 so do shard="optimizer"
-(ZeRO-1, through its sharded optimizer step) and bf16 mixed precision (against the eager
-pipeline of the same settings, which it equals to float32 rounding), while shard="full" runs
-eager with a warning naming it. Each process's recording backend counts calls of its compiled
-graphs, so a silent eager fallback fails. This file is also the worker:
-``python <this file> compile|combos OUT_DIR``."""
+"""Compiled stages under torchrun (4 gloo processes, pp=2 x dp=2): a ZB-H1 step of the tiny
+GPT with ``compile=`` and shard="optimizer" (ZeRO-1) equals the unsplit model on the global
+batch (float64, 1e-10: the loss and the parameters after the sharded SGD step); bf16 mixed
+precision equals the eager pipeline of the same settings (1e-6); shard="full" runs eager with
+a warning naming it. Each process's recording backend counts calls of its compiled graphs, so
+a silent eager fallback fails. This file is also the worker: ``python <this file> combos
+OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -28,41 +28,6 @@ def recorder(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return gm.forward(*args)
 
     return run
-
-
-def worker_compile(out: Path) -> None:
-    import torch.distributed as dist
-
-    from pipeline import Pipeline
-    from pipeline.checkpoint import gather_named
-    from tests.support.distributed import init_worker
-    from tests.support.models import lm_loss, make_model
-
-    init_worker()
-    x, y = global_batch(0, 8)
-    ref = make_model()
-    lm_loss(ref(x), y).backward()
-    want = {k: p.grad for k, p in ref.named_parameters()}
-    for schedule in ("zb-h1",):
-        pipe = Pipeline(make_model(), stages=2, schedule=schedule, microbatches=4,
-                        loss_fn=lm_loss, compile={"backend": recorder})
-        before = CALLS[0]
-        loss = pipe.step(x, y)
-        torch.testing.assert_close(loss.double(), lm_loss(ref(x), y).detach(), atol=ATOL,
-                                   rtol=0, msg=f"{schedule}: loss")
-        assert CALLS[0] > before, f"{schedule}: no compiled graph ran"
-        stats = pipe.compile_stats
-        assert stats is not None and stats.eager == {}, stats
-        ctx = pipe.distributed
-        assert ctx is not None
-        grads = gather_named({k: p.grad for k, p in pipe.named_parameters()}, ctx)
-        if grads is not None:
-            assert sorted(grads) == sorted(want), schedule
-            for k, g in grads.items():
-                torch.testing.assert_close(g, want[k], atol=ATOL, rtol=0,
-                                           msg=f"{schedule}: grad of {k}")
-    dist.destroy_process_group()
-    print("worker compile: every check ran")
 
 
 def _half(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -156,13 +121,7 @@ def worker_combos(out: Path) -> None:
     print("worker combos: every check ran")
 
 
-WORKERS = {"compile": worker_compile, "combos": worker_combos}
-
-
-@pytest.mark.slow
-def test_compiled_stages_under_torchrun(tmp_path: Path) -> None:
-    ended = launch("compile", 2, tmp_path, timeout=120.0, deadline=300.0, script=__file__)
-    all_ok(ended, "compile")
+WORKERS = {"combos": worker_combos}
 
 
 @pytest.mark.slow
