@@ -250,9 +250,9 @@ def split_backward() -> dict[str, Any]:
     return out
 
 
-def compile_time(layers: int, cache: str) -> dict[str, Any]:
+def compile_time(layers: int, cache: str, setting: str = "True") -> dict[str, Any]:
     """One first step of the demo GPT with `layers` blocks in a fresh process using the
-    inductor cache folder `cache`."""
+    inductor cache folder `cache`; `setting`: the Pipeline's compile= (Python source)."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
     code = (
         "import json, time, torch; torch.set_num_threads(1)\n"
@@ -260,7 +260,7 @@ def compile_time(layers: int, cache: str) -> dict[str, Any]:
         "from bench_compile import demo_gpt, batch, lm_loss\n"
         "from pipeline import Pipeline\n"
         f"pipe = Pipeline(demo_gpt({layers}, dim=64), 2, microbatches=4, loss_fn=lm_loss,"
-        " compile=True)\n"
+        f" compile={setting})\n"
         "x, y = batch(); t = time.perf_counter(); pipe.step(x, y)\n"
         "first = time.perf_counter() - t; t = time.perf_counter(); pipe.step(x, y)\n"
         "s = pipe.compile_stats\n"
@@ -331,6 +331,8 @@ def _report(data: dict[str, Any]) -> str:
         for name in ("eager", "compiled")), ""]
     ct = data["compile_time"]
     lines += ["## Compile time, demo GPT (dim 64), pp=2, fresh process", "",
+              "The first step plans (the profiled units compile) and compiles the stages; "
+              "inductor's C++ wrapper (the default in one process on CPU) unless noted.", "",
               "| blocks | inductor cache | first step | second step | compile | graphs |",
               "|---|---|---|---|---|---|"]
     for key, r in ct.items():
@@ -344,8 +346,11 @@ def _report(data: dict[str, Any]) -> str:
 def main() -> None:
     torch.set_num_threads(1)
     data: dict[str, Any] = {"repeats": REPEATS, "warmup": WARMUP}
-    with tempfile.TemporaryDirectory() as cold4, tempfile.TemporaryDirectory() as cold16:
+    with tempfile.TemporaryDirectory() as cold4, tempfile.TemporaryDirectory() as cold16, \
+            tempfile.TemporaryDirectory() as python4:
         data["compile_time"] = {
+            "4/cold, Python wrapper": compile_time(
+                4, python4, '{"options": {"cpp_wrapper": False}}'),
             "4/cold": compile_time(4, cold4),
             "16/cold": compile_time(16, cold16),
             "16/warm": compile_time(16, cold16),
