@@ -1,17 +1,18 @@
 """Tests on several processes: a launcher that starts a test file's workers the way torchrun
 does (a store hosted by the launcher, RANK/WORLD_SIZE/MASTER_* in the environment; CPU, gloo, 1
-thread each) and checks how they ended, and what the workers share (process-group start, each
-replica's slice of the batch, a step-by-step comparison with the single-process model).
+thread each; forked from one parent that imported torch once) and checks how they ended, and
+what the workers share (process-group start, each replica's slice of the batch, a step-by-step
+comparison with the single-process model).
 
 A test file that launches workers is also the worker script: ``python FILE WORKER OUT_DIR``."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,10 @@ from tests.support.models import SEQ, global_batch, lm_loss, make_model
 
 ATOL = 1e-10
 BATCH = 8  # rows per replica
+# For `launch(preload=...)` where the workers build Hugging Face models: the first modeling
+# module a process imports costs seconds (transformers' shared machinery), the others little.
+HF_MODULES = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+              "transformers.models.t5.modeling_t5", "transformers.models.albert.modeling_albert")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,49 +43,47 @@ class Ended:
 
 
 def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
-           deadline: float = 150.0, hangs: int | None = None,
+           deadline: float = 150.0, hangs: int | None = None, preload: tuple[str, ...] = (),
            script: str) -> list[Ended]:
     """Run `worker` of `script` (a test file that is also the worker) on `world` processes like
     torchrun does and wait for all of them; a process still alive at `deadline` seconds is
     killed and fails the test (nothing is left behind), except rank `hangs` (a deliberately hung
-    rank), which is killed once the others ended."""
+    rank), which is killed once the others ended. The processes are forked from one parent
+    that imported torch, the test file and the modules `preload` names once
+    (`tests.support.forked`), as starting each with torch costs seconds of CPU."""
     import torch.distributed as dist
+
+    from tests.support.forked import PRELOAD
 
     store = dist.TCPStore("127.0.0.1", 0, world, True,
                           timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-            TORCHELASTIC_USE_AGENT_STORE="True", HYBRIDPIPE_TIMEOUT=str(timeout),
-            OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+    env = dict(
+        os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+        HYBRIDPIPE_TIMEOUT=str(timeout), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+        **{PRELOAD: ",".join(preload)},
+    )
+    (out / "ended.json").unlink(missing_ok=True)
+    with open(out / "parent.log", "w+") as log:
+        parent = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.forked", script, worker, str(out), str(world),
+             str(deadline), str(-1 if hangs is None else hangs)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
-        log = open(out / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, script, worker, str(out)], env=env, stdout=log,
-            stderr=subprocess.STDOUT, cwd=ROOT,
-        ))
-    end = time.monotonic() + deadline
-    hung = []
-    for rank, proc in enumerate(procs):
-        if rank == hangs:
-            continue
         try:
-            proc.wait(max(0.1, end - time.monotonic()))
+            parent.wait(deadline + 60)  # it kills its ranks at the deadline
         except subprocess.TimeoutExpired:
-            hung.append(rank)
-            proc.kill()
-            proc.wait(10)
-    if hangs is not None:
-        procs[hangs].kill()
-        procs[hangs].wait(10)
-    ended = []
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+            parent.kill()
+            parent.wait(10)
         log.seek(0)
-        ended.append(Ended(rank, proc.returncode, log.read()))
-        log.close()
+        parent_output = log.read()
+    result = out / "ended.json"
+    assert result.exists(), f"the launch's parent failed (exit {parent.returncode}):\n" + (
+        parent_output[-3000:])
+    found = json.loads(result.read_text())
+    ended = [Ended(rank, found["codes"][str(rank)], (out / f"rank{rank}.log").read_text())
+             for rank in range(world)]
+    hung = found["killed"]
     assert not hung, f"ranks {hung} did not end within {deadline} s:\n" + dump(ended)
     return ended
 

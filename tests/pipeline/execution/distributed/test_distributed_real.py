@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from scheduler import SCHEDULES
-from tests.support.distributed import Ended, all_ok, dump, launch
+from tests.support.distributed import HF_MODULES, Ended, all_ok, dump, launch
 
 ATOL = 1e-9
 ROWS = 8  # per replica
@@ -134,7 +134,8 @@ WORKERS = {"real": worker_real}
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> list[Ended]:
     """One launch for both tests: each checks the part of the run its marker ends."""
-    return launch("real", 4, tmp_path_factory.mktemp("real"), deadline=290.0, script=__file__)
+    return launch("real", 4, tmp_path_factory.mktemp("real"), deadline=290.0, script=__file__,
+                  preload=HF_MODULES)
 
 
 @pytest.mark.slow

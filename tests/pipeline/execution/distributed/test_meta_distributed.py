@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.distributed import Ended, all_ok, dump, launch
+from tests.support.distributed import HF_MODULES, Ended, all_ok, dump, launch
 
 SEED = 11
 
@@ -153,7 +153,7 @@ def _launched(runs: dict[int, tuple[Path, list[Ended]]], world: int,
         # The load checks wait for nothing that fails: the timeout only bounds the meta step's
         # failure (asserted well within it).
         runs[world] = out, launch("meta", world, out, script=__file__, timeout=60.0,
-                                  deadline=290.0)
+                                  deadline=290.0, preload=HF_MODULES)
     return runs[world]
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from scheduler import SCHEDULES
-from tests.support.distributed import all_ok, launch
+from tests.support.distributed import HF_MODULES, all_ok, launch
 
 ROWS = 8  # per replica
 
@@ -197,7 +197,7 @@ WORKERS = {"amp": worker_amp}
 
 @pytest.mark.slow
 def test_mixed_precision_pp2_dp2(tmp_path: Path) -> None:
-    all_ok(launch("amp", 4, tmp_path, deadline=500.0, script=__file__), "amp")
+    all_ok(launch("amp", 4, tmp_path, deadline=500.0, script=__file__, preload=HF_MODULES), "amp")
 
 
 if __name__ == "__main__":

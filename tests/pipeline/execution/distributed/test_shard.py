@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.distributed import all_ok, launch
+from tests.support.distributed import HF_MODULES, all_ok, launch
 from tests.support.models import global_batch, lm_loss, make_model
 
 ATOL = 1e-9
@@ -323,7 +323,8 @@ WORKERS = {"shard": worker_shard}
 
 @pytest.mark.slow
 def test_sharded_runs_equal_the_unsharded_model(tmp_path: Path) -> None:
-    all_ok(launch("shard", 4, tmp_path, deadline=500.0, script=__file__), "shard")
+    ended = launch("shard", 4, tmp_path, deadline=500.0, script=__file__, preload=HF_MODULES)
+    all_ok(ended, "shard")
 
 
 def test_bad_shard_values_are_rejected() -> None:
