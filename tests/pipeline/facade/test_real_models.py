@@ -16,6 +16,8 @@ import torch
 
 from partitioner import capture
 from pipeline import Pipeline
+from pipeline.planning import planner
+from tests.support.capture_memo import memo_capture
 from tests.support.real_models import SPECS, build, check_step, class_loss, resnet
 
 ATOL = 1e-9
@@ -29,12 +31,27 @@ def _logits(out: Any) -> torch.Tensor:
     return out["logits"] if isinstance(out, dict) else out
 
 
+_MODELS: dict[str, torch.nn.Module] = {}  # one model object per family for both sizes
+_CAPTURE = memo_capture()
+
+
+@pytest.fixture
+def capture_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both pipeline sizes capture the same 2-row first microbatch of one model object, so
+    torch.export (seconds a call, most of this test's time) runs once per family; each
+    Pipeline still partitions, splits and runs a copy of the real capture."""
+    monkeypatch.setattr(planner, "capture", _CAPTURE)
+
+
+@pytest.mark.usefixtures("capture_once")
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_real_model_transparency(name: str, stages: int) -> None:
     spec = SPECS[name]
-    model = build(name)
-    ref = copy.deepcopy(model)
+    if name not in _MODELS:
+        _MODELS[name] = build(name)
+    model = _MODELS[name]
+    ref = copy.deepcopy(model)  # the model as it is now (an earlier size left only grads)
     torch.manual_seed(1)
     x, y = spec.batch(5, 8)  # 5 rows in 4 microbatches: uneven splits
     pipe = Pipeline(model, stages, microbatches=4, loss_fn=spec.loss_fn, balance="parameters")
