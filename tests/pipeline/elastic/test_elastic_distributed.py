@@ -40,8 +40,10 @@ def _train_auto(memory_limit: float | None) -> tuple[int, int]:
     from pipeline.elastic import replica_share
 
     x0, _ = global_batch(0, ROWS)
+    # fx capture: 0.1 s, where torch.export takes seconds a process (the layout choice
+    # ranks the same units either way)
     pipe = Pipeline(make_model(), stages="auto", schedule="1f1b", loss_fn=lm_loss,
-                    memory_limit=memory_limit, example_input=x0)
+                    memory_limit=memory_limit, example_input=x0, capture_method="fx")
     ctx, plan = pipe.distributed, pipe.autoplan
     assert ctx is not None and plan is not None
     best = plan.best
