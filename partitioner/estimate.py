@@ -39,6 +39,12 @@ def _flops(fn: Callable[[], Any]) -> int:
     return int(counter.get_total_flops())
 
 
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+        return value.detach()
+    return value
+
+
 def _meta(value: Any) -> Any:
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
 
@@ -60,9 +66,10 @@ class _Estimator(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         run = getattr(self, n.op)
         holder = []
-        with torch.no_grad():
-            forward = _flops(lambda: holder.append(run(n.target, args, kwargs)))
-        result = holder[0]
+        # Grad on (FlopCounterMode's module tracker hooks a unit whose output is a parameter,
+        # which fails under no_grad), results detached as no_grad would give them.
+        forward = _flops(lambda: holder.append(run(n.target, args, kwargs)))
+        result = tree_map(_detached, holder[0])
         params: list[nn.Parameter] = []
         if n.op == "call_module":
             params = list(self.fetch_attr(str(n.target)).parameters())

@@ -115,6 +115,20 @@ def test_estimate_counts_flops_on_meta() -> None:
         estimate(capture(_mlp(), (x,)), (x,))
 
 
+def test_estimate_on_meta_with_a_parameter_used_raw() -> None:
+    """A parameter read directly in forward (the demo GPT's position table) is a unit whose
+    output is the parameter itself: estimating it on meta must not fail."""
+    from pipeline.app.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(vocab=32, dim=16, layers=2, heads=2, max_seq=6)
+    ids = torch.randint(0, 32, (2, 6))
+    graph = capture(model, (ids.to("meta"),))
+    estimate(graph, (ids,))
+    assert all(graph.nodes[n]["cost_source"] == "estimate" for n in graph.order)
+    assert sum(graph.nodes[n]["forward_flops"] for n in graph.order) > 0
+
+
 def test_retarget_rewrites_positional_devices() -> None:
     class Moves(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
