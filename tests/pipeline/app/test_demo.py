@@ -26,8 +26,13 @@ EXPECTED = {
 }
 
 
-@pytest.mark.slow  # 12 steps of training, calibration and 9 files: ~12 s
-def test_demo_writes_every_file_and_loss_falls(tmp_path: Path) -> None:
+@pytest.mark.slow  # 12 steps of training, calibration and 9 files: ~4 s
+def test_demo_writes_every_file_and_loss_falls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cost-model check on 4 steps per schedule, not 20: it runs the same code (and writes
+    # the same tables); its error figures, which need the 20, are not asserted here.
+    monkeypatch.setattr(demo, "CHECK_STEPS", 4)
     config = DemoConfig(steps=12, dim=32, layers=2, heads=2, seq_len=16, batch_size=8, lr=1e-2)
     summary = run_demo(tmp_path, config)
     assert EXPECTED <= {p.name for p in tmp_path.iterdir()}
