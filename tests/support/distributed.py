@@ -1,6 +1,6 @@
 """Tests on several processes: a launcher that starts a test file's workers the way torchrun
 does (a store hosted by the launcher, RANK/WORLD_SIZE/MASTER_* in the environment; CPU, gloo, 1
-thread each; forked from one parent that imported torch once) and checks how they ended, and
+thread each; forked from a server that imported torch once) and checks how they ended, and
 what the workers share (process-group start, each replica's slice of the batch, a step-by-step
 comparison with the single-process model).
 
@@ -8,11 +8,15 @@ A test file that launches workers is also the worker script: ``python FILE WORKE
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,15 +46,40 @@ class Ended:
     output: str
 
 
+_SERVER: list[subprocess.Popen[str]] = []  # this session's tests.support.forked server
+
+
+def _server() -> subprocess.Popen[str]:
+    """The session's fork server, started on first use; it ends with the session (its stdin
+    closes)."""
+    if not _SERVER or _SERVER[0].poll() is not None:
+        _SERVER[:] = [subprocess.Popen(
+            [sys.executable, "-m", "tests.support.forked"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+        )]
+        atexit.register(_SERVER[0].communicate)
+    return _SERVER[0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
            deadline: float = 150.0, hangs: int | None = None, preload: tuple[str, ...] = (),
            script: str) -> list[Ended]:
     """Run `worker` of `script` (a test file that is also the worker) on `world` processes like
     torchrun does and wait for all of them; a process still alive at `deadline` seconds is
     killed and fails the test (nothing is left behind), except rank `hangs` (a deliberately hung
-    rank), which is killed once the others ended. The processes are forked from one parent
-    that imported torch, the test file and the modules `preload` names once
-    (`tests.support.forked`), as starting each with torch costs seconds of CPU."""
+    rank), which is killed once the others ended. The processes are forked from a parent that
+    the session's `tests.support.forked` server forks with torch and hybridpipe imported, and
+    which imports the test file and the modules `preload` names, as starting each process
+    with torch costs seconds of CPU."""
     import torch.distributed as dist
 
     from tests.support.forked import PRELOAD
@@ -63,23 +92,29 @@ def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
         HYBRIDPIPE_TIMEOUT=str(timeout), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
         **{PRELOAD: ",".join(preload)},
     )
-    (out / "ended.json").unlink(missing_ok=True)
-    with open(out / "parent.log", "w+") as log:
-        parent = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.forked", script, worker, str(out), str(world),
-             str(deadline), str(-1 if hangs is None else hangs)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
-        try:
-            parent.wait(deadline + 60)  # it kills its ranks at the deadline
-        except subprocess.TimeoutExpired:
-            parent.kill()
-            parent.wait(10)
-        log.seek(0)
-        parent_output = log.read()
+    for name in ("ended.json", "pids.json"):
+        (out / name).unlink(missing_ok=True)
+    server = _server()
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(json.dumps({"env": env, "argv": [
+        script, worker, str(out), str(world), str(deadline), str(-1 if hangs is None else hangs),
+    ]}) + "\n")
+    server.stdin.flush()
+    answer = server.stdout.readline()
+    assert answer.strip().isdigit(), f"the fork server failed: {answer!r}"
+    parent = int(answer)
+    end = time.monotonic() + deadline + 60  # the parent kills its ranks at the deadline
+    while _alive(parent) and time.monotonic() < end:
+        time.sleep(0.05)
+    if _alive(parent):  # stuck itself: it and its ranks go
+        pids = json.loads((out / "pids.json").read_text()) if (out / "pids.json").exists() else []
+        for pid in [parent, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     result = out / "ended.json"
-    assert result.exists(), f"the launch's parent failed (exit {parent.returncode}):\n" + (
-        parent_output[-3000:])
+    parent_log = out / "parent.log"
+    assert result.exists(), "the launch's parent failed:\n" + (
+        parent_log.read_text()[-3000:] if parent_log.exists() else "(no output)")
     found = json.loads(result.read_text())
     ended = [Ended(rank, found["codes"][str(rank)], (out / f"rank{rank}.log").read_text())
              for rank in range(world)]
