@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -100,6 +101,10 @@ def launch(worker: str, world: int, out: Path, *, timeout: float = 30.0,
         script, worker, str(out), str(world), str(deadline), str(-1 if hangs is None else hangs),
     ]}) + "\n")
     server.stdin.flush()
+    # Bounded: the first answer waits for the server's imports, later ones for one fork.
+    if not select.select([server.stdout], [], [], 300)[0]:
+        server.kill()
+        raise TimeoutError("the fork server did not answer within 300 s")
     answer = server.stdout.readline()
     assert answer.strip().isdigit(), f"the fork server failed: {answer!r}"
     parent = int(answer)
