@@ -21,11 +21,14 @@ rank needs under "full". Also per transformer block: the bytes "selective" and "
 over "none"'s, and the matmul and attention FLOPs each recomputes, from the planner's
 measurements.
 
-On a CPU device "offload" moves nothing (the host is the device): it runs as "none".
+On a CPU device "offload" moves nothing (the host is the device): it runs as "none". With
+BENCH_DEVICE=cuda every stage runs on cuda:0 (streams, events and copies as on four GPUs),
+"offload" moves the saved tensors to pinned host memory, and each policy's step also reports
+the CUDA allocator's peak (all four stages together: one device).
 
-Writes benchmarks/results/activations.{md,json}.
+Writes benchmarks/results/activations.{md,json} (activations_cuda.* on CUDA).
 Run: .venv/bin/python benchmarks/bench_activations.py   (a few minutes on 2 cores;
-BENCH_ROUNDS=N timed rounds, default 9)
+BENCH_ROUNDS=N timed rounds, default 9; BENCH_DEVICE=cuda on a GPU)
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from scheduler import Timeline  # noqa: E402
 
 STAGES, MICROBATCHES, ROWS, SEQ, VOCAB = 4, 8, 16, 64, 256
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
+DEVICE = torch.device(os.environ.get("BENCH_DEVICE", "cpu"))
 POLICIES = ("none", "full", "selective", "offload")
 MIB = 2**20
 
@@ -83,8 +87,28 @@ def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def _pipe(model: nn.Module, x: torch.Tensor, policy: str, limit: float | None) -> Pipeline:
+    devices = [str(DEVICE)] * STAGES if DEVICE.type == "cuda" else None
     return Pipeline(model, STAGES, schedule="1f1b", microbatches=MICROBATCHES, loss_fn=lm_loss,
-                    example_input=x, checkpoint_activations=policy, memory_limit=limit)
+                    example_input=x, checkpoint_activations=policy, memory_limit=limit,
+                    devices=devices)
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def _allocator_peak(pipe: Pipeline, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+                    ) -> float | None:
+    """The CUDA allocator's peak bytes over one step (None on CPU)."""
+    if DEVICE.type != "cuda":
+        return None
+    model.zero_grad(set_to_none=True)
+    _sync()
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    pipe.step(x, y)
+    _sync()
+    return float(torch.cuda.max_memory_allocated(DEVICE))
 
 
 def _fixed(pipe: Pipeline) -> list[float]:
@@ -142,8 +166,8 @@ def _predicted_steps(roomy: Pipeline, pipes: dict[str, Pipeline],
 def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build()
-    x = torch.randint(0, VOCAB, (ROWS, SEQ))
-    y = torch.randint(0, VOCAB, (ROWS, SEQ))
+    x = torch.randint(0, VOCAB, (ROWS, SEQ)).to(DEVICE)
+    y = torch.randint(0, VOCAB, (ROWS, SEQ)).to(DEVICE)
     started = time.perf_counter()
     roomy = _pipe(model, x, "auto", 1e15)  # prices every policy; chooses "none"
     plan_seconds = time.perf_counter() - started
@@ -163,12 +187,15 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
     for _ in range(ROUNDS):
         for p, pipe in pipes.items():
             model.zero_grad(set_to_none=True)
+            _sync()
             start = time.perf_counter()
             pipe.step(x, y)
+            _sync()
             times[p].append(time.perf_counter() - start)
             assert pipe.trace is not None
             traces[p].append(pipe.trace)
     predicted_steps = _predicted_steps(roomy, pipes, traces)
+    allocator = {p: _allocator_peak(pipe, model, x, y) for p, pipe in pipes.items()}
     # Counted in a step of its own: the counting hooks cost time the timed steps do not pay.
     meters = {p: pipe.count_saved_activations() for p, pipe in pipes.items()}
     for pipe in pipes.values():
@@ -192,11 +219,18 @@ def run_model(name: str, build: Any, block_prefix: str) -> dict[str, Any]:
             "predicted_step_seconds_own": predicted_steps[p]["own"],
             "predicted_step_seconds_from_none": predicted_steps[p]["from_none"],
             "paired_step_error_from_none": predicted_steps[p]["paired_error"],
+            "cuda_allocator_peak_bytes": allocator[p],
         }
     return {"model": name, "parameters": sum(t.numel() for t in model.parameters()),
             "memory_limit": limit, "fixed_bytes": fixed, "auto_policies": auto_plan.activations,
             "plan_seconds_with_pricing": plan_seconds,
             "block_ratios": _block_ratios(roomy, block_prefix), "policies": rows}
+
+
+def _where() -> str:
+    if DEVICE.type == "cuda":
+        return f"one {torch.cuda.get_device_name(DEVICE)} (every stage on it)"
+    return f"{platform.machine()} CPU"
 
 
 def _vs(predicted: float, measured: float) -> str:
@@ -205,9 +239,9 @@ def _vs(predicted: float, measured: float) -> str:
 
 def _report(results: list[dict[str, Any]]) -> str:
     lines = [
-        "# Activation policies per stage (pp=4, 1F1B, 8 microbatches, CPU)",
+        f"# Activation policies per stage (pp=4, 1F1B, 8 microbatches, {_where()})",
         "",
-        f"Batch {ROWS} x {SEQ} tokens, fp32, {STAGES} stages on {platform.machine()} CPU "
+        f"Batch {ROWS} x {SEQ} tokens, fp32, {STAGES} stages on {_where()} "
         f"({torch.get_num_threads()} intra-op thread(s)); step: median of {ROUNDS} interleaved "
         "steps. Peaks: activation bytes each rank holds for its backward (measured: counted by "
         "the runtime; predicted: the planner's prices at the schedule's peak). Limit: bytes per "
@@ -245,6 +279,9 @@ def _report(results: list[dict[str, Any]]) -> str:
                          f"{1e3 * held:.0f} | {_vs(row['predicted_step_seconds_own'], held)} | "
                          f"{_vs(row['predicted_step_seconds_from_none'], held)} | "
                          f"{row['paired_step_error_from_none']:+.1%} |")
+        peaks_line = ", ".join(f"{p} {row['cuda_allocator_peak_bytes'] / MIB:.1f} MiB"
+                               for p, row in res["policies"].items()
+                               if row["cuda_allocator_peak_bytes"] is not None)
         ratios = res["block_ratios"]
         lines += [
             "",
@@ -263,6 +300,8 @@ def _report(results: list[dict[str, Any]]) -> str:
             f"Planning with the policies priced: {res['plan_seconds_with_pricing']:.1f} s.",
             "",
         ]
+        if peaks_line:
+            lines += [f"CUDA allocator peak over one step (all stages): {peaks_line}.", ""]
     return "\n".join(lines)
 
 
@@ -271,7 +310,8 @@ def main() -> None:
     results = [run_model("demo GPT (8 layers, dim 128)", gpt, "blocks_"),
                run_model("Llama-style (HF LlamaForCausalLM, 8 layers, hidden 128)", llama,
                          "model_layers_")]
-    write_results("activations", {"stages": STAGES, "microbatches": MICROBATCHES,
+    name = "activations" if DEVICE.type == "cpu" else f"activations_{DEVICE.type}"
+    write_results(name, {"device": str(DEVICE), "stages": STAGES, "microbatches": MICROBATCHES,
                                   "rows": ROWS, "seq": SEQ, "rounds": ROUNDS,
                                   "results": results}, _report(results))
 

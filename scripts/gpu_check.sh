@@ -7,7 +7,8 @@
 # device; its copies on a side stream, the device memory freed, the backward bit-exact); an autocast block captured on CPU that must run under CUDA
 # autocast), compiled stages on CUDA (tests/pipeline/execution/test_compile.py -m cuda: inductor
 # with mode="max-autotune-no-cudagraphs", 1F1B and ZB-H1 against the eager pipeline), the CPU
-# mixed-precision tests, and a short bf16-vs-fp32 step timing on the GPU,
+# mixed-precision tests, a short bf16-vs-fp32 step timing on the GPU and the activation-policy
+# benchmark on CUDA (benchmarks/bench_activations.py with BENCH_DEVICE=cuda, 2 rounds),
 # then prints a summary. Exits non-zero when a check fails, times out or is skipped (a skipped
 # CUDA test means no CUDA). Needs no network: it uses $PYTHON, else .venv/bin/python, else
 # python3, with torch (and transformers, for Llama) already installed.
@@ -67,15 +68,15 @@ except ImportError:
     print("transformers missing: the Llama check will fail")
 PYEOF
 
-check cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/pipeline/execution/test_cuda.py
+check cuda-tests 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/pipeline/execution/test_cuda.py
 
-check compile-cuda 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
+check compile-cuda 190 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
   tests/pipeline/execution/test_compile.py
 
-check precision-cpu 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" \
+check precision-cpu 90 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not slow" \
   tests/pipeline/execution/test_precision.py
 
-check bf16-timing 60 "$PY" - <<'PYEOF'
+check bf16-timing 50 "$PY" - <<'PYEOF'
 """bf16 against fp32 on CUDA, two ranks on one GPU (informational timing; checks finite
 losses and that bf16 moves bf16 tensors between the stages of an MLP stack)."""
 import statistics
@@ -115,6 +116,12 @@ for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
     assert set(crossing) == ({torch.float32} if dtype is None else {torch.bfloat16}), crossing
 print(f"bf16 / fp32 step time: {times['bf16'] / times['fp32']:.2f}")
 PYEOF
+
+# Activation policies on CUDA (benchmarks/bench_activations.py, 2 rounds): per-rank held bytes
+# predicted vs counted, the allocator's peak, step times; offload really moves to pinned host
+# memory here. The tables land in $LOGS/activations_cuda.md.
+check activations-cuda 130 env BENCH_DEVICE=cuda BENCH_ROUNDS=2 "$PY" benchmarks/bench_activations.py
+cp benchmarks/results/activations_cuda.md "$LOGS/" 2>/dev/null
 
 echo
 echo "== summary (logs in $LOGS)"
