@@ -127,8 +127,14 @@ def export_flat(
         got.meta = dict(node.meta)
         env[node] = got
     output: fx.Node | None = None
+    on_meta = any(t.is_meta for t in tensors.values() if isinstance(t, torch.Tensor))
     for node in old.nodes:
         if node.op == "placeholder":
+            continue
+        if on_meta and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            # Export checks the dtype a ``.to()``/``.float()`` meets as it met it; on meta,
+            # where autocast does nothing, that is fp32 where the run (under
+            # ``mixed_precision`` or the model's own autocast block) meets bf16.
             continue
         if node.op == "output":
             output = node

@@ -33,6 +33,7 @@ import pytest
 import torch
 from torch import nn
 
+import pipeline
 from pipeline import Pipeline
 from scheduler import SCHEDULES
 from tests.support.capture_memo import memo_capture
@@ -321,6 +322,42 @@ def test_autocast_block_switches_to_eval_and_back_exactly() -> None:
         for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(),
                                 strict=True):
             assert torch.equal(a, b), name
+
+
+class Upcast(nn.Module):
+    """A ``.float()`` in the forward (export checks the dtype it meets) and no randomness."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)).float())
+
+
+@pytest.mark.parametrize("build", [Upcast, AutocastBlockNorm])
+def test_meta_built_model_under_mixed_precision_equals_unsplit_autocast(
+    build: type[nn.Module],
+) -> None:
+    """Built on meta, captured on meta (where autocast does nothing), run in bf16: the
+    pipeline equals the unsplit model with the weights it materialised under the same
+    autocast (before the fix, the first step failed on the dtype export recorded on meta)."""
+    torch.manual_seed(0)
+    with pipeline.meta_init():
+        model = build()
+    pipe = Pipeline(model, stages=2, microbatches=M, loss_fn=mse, init_fn="reset_parameters",
+                    mixed_precision=torch.bfloat16)
+    x, y = float_batch()
+    loss = pipe.step(x, y)
+    ref = build()
+    ref.load_state_dict(pipe.state_dict())
+    fp32 = copy.deepcopy(ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _unsplit_step(ref, x, y)
+    assert torch.equal(loss, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert not torch.equal(loss, _unsplit_step(fp32, x, y))  # autocast really ran
 
 
 # -- real models ----------------------------------------------------------------------------------
