@@ -148,13 +148,13 @@ def _predicted_steps(roomy: Pipeline, pipes: dict[str, Pipeline],
         from_none = predict_calibrated(
             schedule, calibrations["none"],
             lambda step, c=profiled, ps=policies: with_policies(  # type: ignore[misc]
-                calibrated_costs(step, c), ps, schedule.splits_backward))
+                calibrated_costs(step, c), ps))
         # Paired by round: the "none" step just before predicts this policy's step, so the
         # machine's drift between rounds (other jobs) cancels.
         paired = [predict_calibrated(
             schedule, calibrate(schedule, [before]),
             lambda step, c=profiled, ps=policies: with_policies(  # type: ignore[misc]
-                calibrated_costs(step, c), ps, schedule.splits_backward)).step_time
+                calibrated_costs(step, c), ps)).step_time
             / after.step_time - 1 for before, after in zip(traces["none"], traces[p],
                                                             strict=True)]
         predicted[p] = {"held_out": statistics.median(t.step_time for t in traces[p][1::2]),

@@ -31,14 +31,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import fx
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
 
 from partitioner.blocks import BlockChain, block_key
 from partitioner.captured import Captured
 from partitioner.sandbox import sandbox
 from partitioner.saved_bytes import SavedBytes
-from partitioner.selective_keep import KeepPlan, keep_plan
 
 _TRIALS = 3
 
@@ -111,25 +110,21 @@ def copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
     return nbytes / seconds if seconds > 0 else float("inf")
 
 
-def _runs(module: torch.nn.Module, plan: KeepPlan) -> dict[str, Callable[..., Any]]:
-    """The block's forward under "none", "full" and "selective" (keeping `plan`'s outputs)."""
-    return {
-        "none": module,
-        "full": lambda *a: checkpoint(module, *a, use_reentrant=False),
-        "selective": lambda *a: checkpoint(
-            module, *a, use_reentrant=False, respect_saved_tensors_hooks=True,
-            context_fn=plan.contexts),
-    }
+RunsOf = Callable[[fx.GraphModule, Sequence[Any], float | None],
+                  tuple[dict[str, Callable[..., Any]], Callable[[], tuple[float, float]]]]
+"""How a block runs under "full" and "selective" (given the candidate ops and the budget),
+and the recompute FLOPs of each (of the candidate ops) as its last "selective" call planned."""
 
 
 def price_policies(
     captured: Captured, example_inputs: tuple[Any, ...], save_ops: Sequence[Any],
-    budget: float | None,
+    budget: float | None, runs_of: RunsOf,
 ) -> None:
     """Write each policy's price (see the module docstring) onto the units of `captured`,
     measured on `example_inputs` (flat, as the graph's inputs) on the device the model's
     parameters are on; `save_ops` and `budget`: the candidate ops "selective" may keep and
-    its byte budget (selective_keep)."""
+    its byte budget (selective_keep); `runs_of`: how the runtime runs a block under "full"
+    and "selective" (pipeline.execution.activations.graph.block_runs)."""
     gm, unit_of, order, graph = (captured.graph_module, captured.unit_of, captured.order,
                                  captured.graph)
     model = captured.model
@@ -150,21 +145,21 @@ def price_policies(
         for block in chain.blocks:
             module = block.module
             args = [values[n] for n in block.inputs]
-            plans = {every_float: keep_plan(module, _leaves(args, every_float), save, budget)
-                     for every_float in (False, True)}
-            runs = _runs(module, plans[False])
+            recomputing, flops = runs_of(module, save, budget)
+            runs: dict[str, Callable[..., Any]] = {"none": module, **recomputing}
             shared = [n in read for n in block.inputs]
             read.update(block.inputs)
-            kept = {f"kept_{p}{suffix}": _kept(_runs(module, plans[every_float])[p], args,
-                                               every_float, shared)
-                    for p in runs for suffix, every_float in (("", False), ("_later", True))}
+            kept = {f"kept_{p}{suffix}": _kept(run, args, every_float, shared)
+                    for suffix, every_float in (("_later", True), ("", False))
+                    for p, run in runs.items()}
+            full_flops, selective_flops = flops()  # the last "selective" call's plan
             first = next((n.name for n in module.graph.nodes
                           if n.name in unit_of and block_key(n) is not None),
                          next(n.name for n in module.graph.nodes if n.name in unit_of))
             unit = graph.nodes[order[unit_of[first]]]
             unit.update(
-                **kept, recompute_flops_full=plans[False].full_recompute_flops,
-                recompute_flops_selective=plans[False].recompute_flops,
+                **kept, recompute_flops_full=full_flops,
+                recompute_flops_selective=selective_flops,
                 offload_time=None if bandwidth is None else kept["kept_none"] / bandwidth,
                 shared_reads={**unit.get("shared_reads", {}), **{
                     n: _nbytes(values[n]) for n, s in zip(block.inputs, shared, strict=True)

@@ -49,7 +49,7 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, storage.data_ptr(), storage.nbytes())
 
 
-def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
     packet = _FLOPS_AS.get(func.overloadpacket, func.overloadpacket)
     formula = flop_registry.get(packet)
     if formula is None:
@@ -93,7 +93,7 @@ class _Probe(TorchDispatchMode):
                     self.held.append(t)
                     nbytes += t.untyped_storage().nbytes()
             self.calls.append((self.ops, Candidate(func, self.counts[func], nbytes,
-                                                   _flops(func, args, kwargs, out), False)))
+                                                   op_flops(func, args, kwargs, out), False)))
             self.counts[func] += 1
         self.ops += 1
         return out
@@ -145,7 +145,7 @@ def probe_inputs(values: Sequence[Any]) -> list[Any]:
             if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values]
 
 
-def _choose(candidates: Sequence[Candidate], room: float | None) -> list[Candidate]:
+def choose(candidates: Sequence[Candidate], room: float | None) -> list[Candidate]:
     usable = [c for c in candidates if c.recomputed and c.nbytes > 0]
     if room is None:
         return usable
@@ -185,7 +185,7 @@ def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any
     candidates = tuple(Candidate(c.func, c.ordinal, c.nbytes, c.flops, before < last[0])
                        for before, c in probe.calls)
     room = None if budget is None else budget * none - sum(inputs.values())
-    chosen = _choose(candidates, room)
+    chosen = choose(candidates, room)
     keep: dict[Any, set[int]] = defaultdict(set)
     for c in chosen:
         keep[c.func].add(c.ordinal)

@@ -39,6 +39,7 @@ from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
 from partitioner.saved_bytes import SavedBytes
+from pipeline.execution.activations.recompute import Recomputed
 from pipeline.execution.cancel import CancelToken, PipelineAborted
 from pipeline.execution.grads import (
     Restored,
@@ -66,7 +67,7 @@ from pipeline.execution.stage_io import (
 )
 from pipeline.execution.stage_run import stage_run
 from pipeline.execution.step_state import StepState
-from pipeline.planning.activation_policies import Policy, recomputes
+from pipeline.planning.activation_policies import Policy
 from scheduler import Action, Event, Op, Recv, Schedule, Send, forward_only
 
 
@@ -92,8 +93,9 @@ class RankRuntime:
     `saved`: a `partitioner.saved_bytes.SavedBytes` counting the bytes the training
     forwards keep for their backward (off when None).
     `activations`: each stage's activation policy (pipeline.execution.activations; "none"
-    when absent). A stage under a recompute policy computes its weight grads in B even when
-    the schedule splits backward (its W is then empty), so its blocks are recomputed once.
+    when absent). A recomputing stage with a block under ``torch.utils.checkpoint`` (one that
+    does not trace, or a compiled stage) computes its weight grads in B even when the schedule
+    splits backward (its W is then empty), so its blocks are recomputed once.
     """
 
     def __init__(
@@ -223,10 +225,10 @@ class RankRuntime:
         self._runs = {
             s: stage_run(m, device=self.device, precision=self.precision,
                          policy=policies.get(s, "none"),
-                         restoring=partial(self._recomputing, m))
+                         restoring=partial(self._recomputing, m),
+                         splits=self.schedule.splits_backward)
             for s, m in self.stages.items()
         }
-        self._recomputes = {s for s in self.stages if recomputes(policies.get(s, "none"))}
         self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
 
     # -- the interpreter loop ------------------------------------------------------------------
@@ -334,9 +336,12 @@ class RankRuntime:
         wanted = [t for t in floats if t.requires_grad]
         params = self._leaves[stage].leaves
         work = None
-        # A recomputing stage takes its weight grads in B too: torch's checkpoint recomputes
-        # once per backward call, so a separate W would recompute the blocks a second time.
-        if not self.schedule.splits_backward or stage in self._recomputes:
+        # A stage with blocks under torch.utils.checkpoint takes its weight grads in B too: the
+        # checkpoint recomputes once per backward call, so a separate W would recompute the
+        # blocks a second time (graph-level recompute splits: W never recomputes).
+        run = self._runs[stage]
+        if not self.schedule.splits_backward or (
+                isinstance(run, Recomputed) and run.checkpoints):
             if roots and (wanted or params):  # AccumulateGrad writes the step's leaves
                 torch.autograd.backward(roots, grads, inputs=[*wanted, *params])
             dx: Sequence[Tensor | None] = [t.grad for t in wanted]

@@ -4,8 +4,8 @@ that wraps a stage is one call into its own module, applied in this order:
 1. precision: the forward under the Pipeline's autocast (pipeline.execution.precision), per
    block when the stage runs as blocks, so a recomputation enters it too;
 2. activation policy (pipeline.execution.activations): "none" calls it as is, "full" and
-   "selective" recompute it block by block, "offload" keeps its saved tensors in host
-   memory.
+   "selective" recompute it block by block (at graph level; a compiled stage's blocks under
+   ``torch.utils.checkpoint``), "offload" keeps its saved tensors in host memory.
 
 None of the steps knows about the others."""
 
@@ -16,10 +16,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
+from pipeline.execution.activations.graph import graph_recomputed
 from pipeline.execution.activations.offload import offloaded
 from pipeline.execution.activations.recompute import recomputed
+from pipeline.execution.compiled.runner import RegionRunner
 from pipeline.execution.precision import Precision
 from pipeline.planning.activation_policies import OFFLOAD, Policy, recomputes
 
@@ -31,15 +33,22 @@ def stage_run(
     precision: Precision,
     policy: Policy,
     restoring: Callable[[], AbstractContextManager[Any]],
+    splits: bool = False,
 ) -> Callable[..., Any]:
     """How the runtime calls `module` in a training forward. `restoring()`: the context a
-    recomputation runs in (pipeline.execution.runtime puts running statistics back)."""
+    recomputation runs in (pipeline.execution.runtime puts running statistics back).
+    `splits`: the schedule splits the backward into B and W."""
 
     def with_precision(m: nn.Module) -> Callable[..., Any]:
         return precision.stage(m, device)
 
     if recomputes(policy):
-        return recomputed(module, policy, with_precision, restoring)
+        if not isinstance(module, fx.GraphModule) or any(
+                isinstance(n.target, RegionRunner) for n in module.graph.nodes):
+            # A compiled stage: its regions are autograd nodes already; checkpointed per block.
+            return recomputed(module, policy, with_precision, restoring)
+        return graph_recomputed(module, policy, with_precision, restoring, splits,
+                                f"stage {getattr(module, 'index', '?')}")
     run = with_precision(module)
     if policy == OFFLOAD:
         return offloaded(run, device)

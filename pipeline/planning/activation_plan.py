@@ -11,8 +11,10 @@ Prices come from the units' measurements (partitioner.activation_cost) summed ov
   partial recomputation and the caching of the saved ops' outputs, measured);
 - "offload": keeps nothing on the device, adds the copy out to F and the copy back to B
   (``offload_time`` each way); on a CPU device (no ``offload_time``) it is "none".
-A recomputing stage of a split-backward schedule takes its weight grads in B (W is empty), as
-the runtime does. Peaks count a microbatch's activations from its F to its last backward."""
+Under a split-backward schedule a recomputing stage's B recomputes and takes the input grads,
+its W the weight grads from what B computed (pipeline.execution.activations.graph: nothing is
+recomputed twice). Peaks count a microbatch's activations from its F to its last backward (B,
+or W under a split backward)."""
 
 from __future__ import annotations
 
@@ -94,18 +96,16 @@ def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
     )
 
 
-def rank_peak(schedule: Schedule, rank: int, kept: Sequence[float],
-              freed_at_b: Sequence[bool]) -> float:
+def rank_peak(schedule: Schedule, rank: int, kept: Sequence[float]) -> float:
     """The rank's peak held activation bytes: a microbatch's `kept[stage]` from its F to its
-    B (stages in `freed_at_b`, and every stage of an unsplit schedule) or its W."""
+    backward (B, or W under a split backward: the graph a B leaves for its W holds them)."""
     held = peak = 0.0
+    last = Op.W if schedule.splits_backward else Op.B
     for a in schedule.actions[rank]:
         if a.op is Op.F:
             held += kept[a.stage]
             peak = max(peak, held)
-        elif a.op is Op.B and (freed_at_b[a.stage] or not schedule.splits_backward):
-            held -= kept[a.stage]
-        elif a.op is Op.W and not freed_at_b[a.stage]:
+        elif a.op is last:
             held -= kept[a.stage]
     return peak
 
@@ -113,8 +113,7 @@ def rank_peak(schedule: Schedule, rank: int, kept: Sequence[float],
 def peaks(schedule: Schedule, prices: PolicyPrices, policies: Sequence[str]) -> list[float]:
     """Each rank's peak held activation bytes under `policies` (one name per stage)."""
     kept = [prices.kept[p][s] for s, p in enumerate(policies)]
-    freed = [p in RECOMPUTING for p in policies]
-    return [rank_peak(schedule, r, kept, freed) for r in range(schedule.num_ranks)]
+    return [rank_peak(schedule, r, kept) for r in range(schedule.num_ranks)]
 
 
 @dataclass(frozen=True)
@@ -141,8 +140,7 @@ def choose(schedule: Schedule, prices: PolicyPrices, fixed: Sequence[float],
             trial = list(policies)
             for s, p in zip(stages, combo, strict=True):
                 trial[s] = p
-            peak = rank_peak(schedule, rank, [prices.kept[p][s] for s, p in enumerate(trial)],
-                             [p in RECOMPUTING for p in trial])
+            peak = rank_peak(schedule, rank, [prices.kept[p][s] for s, p in enumerate(trial)])
             if limit is not None and peak + fixed[rank] > limit:
                 continue
             added = m * sum(prices.forward[p][s] + prices.backward[p][s]

@@ -474,7 +474,7 @@ def _evaluate(trial: Trial, pricing: Pricing, bound: float | None) -> Candidate 
         choice = choose(schedule, costs.prices, fixed, limit)
         if choice is None:
             return Rejection.ACTIVATIONS
-        costs = with_policies(costs, choice.policies, schedule.splits_backward)
+        costs = with_policies(costs, choice.policies)
         held = choice.peaks
     memory = tuple(f + a for f, a in zip(fixed, held, strict=True))
     if limit is not None and max(memory) > limit:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from partitioner import Captured, Plan, partition
-from pipeline.planning.activation_plan import RECOMPUTING, PolicyPrices, priced
+from pipeline.planning.activation_plan import PolicyPrices, priced
 from scheduler import Schedule, Timeline, simulate
 from scheduler.simulate import Summary, summarize
 
@@ -63,11 +63,10 @@ def stage_costs(captured: Captured, plan: Plan) -> StageCosts:
     )
 
 
-def with_policies(costs: StageCosts, policies: Sequence[str], splits_backward: bool
-                  ) -> StageCosts:
+def with_policies(costs: StageCosts, policies: Sequence[str]) -> StageCosts:
     """`costs` of stages running under activation `policies` (one name per stage; see
     pipeline.planning.activation_plan): the kept bytes as activations, the time each adds to
-    F and B; a recomputing stage of a split-backward schedule takes its W into its B."""
+    F and B (the recomputation runs in B; a split backward's W recomputes nothing)."""
     prices = costs.prices
     if prices is None:
         raise ValueError("these costs carry no activation prices: price the units first "
@@ -75,12 +74,7 @@ def with_policies(costs: StageCosts, policies: Sequence[str], splits_backward: b
     n = costs.num_stages
     forward = [costs.forward[s] + prices.forward[p][s] for s, p in enumerate(policies)]
     input_grad = [costs.input_grad[s] + prices.backward[p][s] for s, p in enumerate(policies)]
-    weight_grad = list(costs.weight_grad)
-    if splits_backward:
-        for s, p in enumerate(policies):
-            if p in RECOMPUTING:
-                input_grad[s], weight_grad[s] = input_grad[s] + weight_grad[s], 0.0
-    return replace(costs, forward=forward, input_grad=input_grad, weight_grad=weight_grad,
+    return replace(costs, forward=forward, input_grad=input_grad,
                    activation_bytes=[prices.kept[p][s] for s, p in enumerate(policies)][:n],
                    policies=tuple(policies))
 

@@ -29,6 +29,7 @@ from partitioner import Captured, CaptureError, capture, partition, profile, spl
 from partitioner.activation_cost import price_policies
 from partitioner.estimate import estimate
 from partitioner.rebind import rebind
+from pipeline.execution.activations.graph import block_runs
 from pipeline.planning.activation_plan import planned_activations
 from pipeline.planning.activation_policies import SELECTIVE_BUDGET, SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
@@ -307,7 +308,8 @@ class Planner:
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
             measure(captured, self.model, example, how.device, self.unit_runner)
             if self.auto_activations:
-                price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET)
+                price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
+                               block_runs)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
         profiled = captured if auto.microbatches == m else None  # reused: same microbatch
         if profiled is None:
@@ -362,7 +364,8 @@ class Planner:
             with how.phase("profiling of the model"):
                 measure(captured, self.model, example, how.device, self.unit_runner)
                 if self.auto_activations:
-                    price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET)
+                    price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
+                               block_runs)
         with how.phase("partitioning of the model"):
             plan = partition(captured, schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if costed else None

@@ -15,6 +15,11 @@ from typing import Any
 import torch
 from torch import fx
 
+Partition = Callable[[fx.GraphModule, tuple[torch.Tensor, ...], int],
+                     tuple[fx.GraphModule, fx.GraphModule]]
+"""Cuts a joint graph (taking the primals it was traced on and its number of forward
+outputs) into the forward (outputs, then what it keeps) and the backward graph."""
+
 
 @dataclass(frozen=True)
 class SplitBackward:
@@ -47,15 +52,17 @@ def trace_joint(
     differentiable: Sequence[bool],
     weights: Iterable[int],
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    partition: Partition | None = None,
 ) -> JointGraphs:
     """Trace `fn(*args)` (a tuple of tensors; `differentiable[i]`: output i requires grad)
     forward and backward, and cut the graphs. `weights`: the primal indices that are weights
     (the others needing a grad are inputs); with both present the backward is also split.
     `decompositions`: the compiler's (inductor's: the joint graph then holds the primitive ops
-    its partitioner may recompute in the backward, as under torch.compile)."""
+    its partitioner may recompute in the backward, as under torch.compile). `partition`: how
+    the joint graph is cut into forward and backward (default: AOTAutograd's min-cut
+    partitioner; an activation policy chooses what the forward keeps itself)."""
     # Imported here: they load torch._dynamo (a second a process) and only compiling uses them.
     from torch._functorch.aot_autograd import aot_export_joint_simple
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     table = dict(decompositions) if decompositions is not None else None
     try:
@@ -71,9 +78,8 @@ def trace_joint(
     if not isinstance(joint, fx.GraphModule):
         raise TypeError(f"the joint trace gave a {type(joint).__name__}, not a graph")
     num_outputs = len(differentiable)
-    forward, backward = min_cut_rematerialization_partition(
-        joint, tuple(args), num_fwd_outputs=num_outputs
-    )
+    cut = partition if partition is not None else _min_cut
+    forward, backward = cut(joint, tuple(args), num_outputs)
     tangents = tuple(i for i, d in enumerate(differentiable) if d)
     found = sum(1 for n in backward.graph.nodes if n.op == "placeholder"
                 and n.name.startswith("tangents"))
@@ -88,6 +94,14 @@ def trace_joint(
     weight_idx = tuple(i for i in wanted if i in weight_set)
     split = split_backward(backward, inputs, weight_idx) if inputs and weight_idx else None
     return JointGraphs(forward, backward, num_outputs, tangents, split)
+
+
+def _min_cut(
+    joint: fx.GraphModule, args: tuple[torch.Tensor, ...], num_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, args, num_fwd_outputs=num_outputs)
 
 
 def _copied(

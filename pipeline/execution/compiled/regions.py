@@ -66,12 +66,13 @@ def _unpacks_input(node: fx.Node) -> bool:
     return isinstance(source, fx.Node) and source.op == "placeholder"
 
 
-def _group(graph: fx.Graph) -> list[Region]:
-    """The graph's blocks (partitioner.blocks: the activation policies' rule), without the
-    nodes no region computes, each tuple's items kept with the op returning it."""
+def _group(graph: fx.Graph, whole: bool) -> list[Region]:
+    """The graph's blocks (partitioner.blocks: the activation policies' rule; all of it as
+    one with `whole`), without the nodes no region computes, each tuple's items kept with the
+    op returning it."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")
              and not _floating(n) and not _unpacks_input(n)]
-    cut = runs(nodes)
+    cut = [nodes] if whole else runs(nodes)
     run_of: dict[fx.Node, list[fx.Node]] = {}
     for members in cut:
         for node in list(members):
@@ -152,10 +153,11 @@ def _needs(region: Region) -> None:
             read(node)
 
 
-def regions_of(stage: fx.GraphModule) -> list[Region]:
-    """The stage graph's regions in order, each with its attrs, inputs and outputs."""
+def regions_of(stage: fx.GraphModule, whole: bool = False) -> list[Region]:
+    """The stage graph's regions in order, each with its attrs, inputs and outputs (`whole`:
+    one region, e.g. for a block already cut by partitioner.blocks)."""
     graph = stage.graph
-    regions = _group(graph)
+    regions = _group(graph, whole)
     for region in regions:
         _needs(region)
         _call_modules(region, stage)
@@ -244,10 +246,13 @@ def outline(
             env[node] = graph.node_copy(node, lookup)
         return env[node]
 
+    # Placeholders first: a block's graph (partitioner.blocks) makes them where first read.
+    for node in source.find_nodes(op="placeholder"):
+        env[node] = graph.node_copy(node)
     for node in source.nodes:
         if node.op == "placeholder":
-            env[node] = graph.node_copy(node)
-        elif node in start:
+            continue
+        if node in start:
             region, run = start[node]
             states = [graph.get_attr(path) for _, path in region.states]
             args = [*map(lookup, region.attrs), *states, *map(lookup, region.inputs)]

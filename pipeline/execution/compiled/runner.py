@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 
-from pipeline.execution.compiled.joint import JointGraphs, trace_joint
+from pipeline.execution.compiled.joint import JointGraphs, Partition, trace_joint
 from pipeline.execution.compiled.options import CompileOptions
 from pipeline.execution.compiled.regions import Region, canonical
 
@@ -102,7 +102,8 @@ class _Compiled:
         self.gm = gm
         self.what = what
         self.compiled: Callable[..., Any] = options.compile(gm)
-        self.run: Callable[..., Any] | None = None
+        # A graph the options leave as it is (graph-level recompute) has nothing to compile.
+        self.run: Callable[..., Any] | None = gm if self.compiled is gm else None
         self.lock = threading.Lock()
 
     def __call__(self, stats: CompileStats, *args: Any) -> Any:
@@ -324,6 +325,10 @@ class RegionRunner:
         else:
             self.stats.runs_eager(what, reason)
 
+    def _partition(self) -> Partition | None:
+        """How the joint graph is cut (None: the min-cut partitioner, as torch.compile)."""
+        return None
+
     def run(self, *flat: Any) -> Any:
         """The region as it is (eager): attrs, states of the modules called whole, inputs."""
         if not self.states:
@@ -370,7 +375,7 @@ class RegionRunner:
             differentiable = [isinstance(o, Tensor) and o.requires_grad for o in outputs]
             weights = [i for i in range(self.weights) if flat[i].requires_grad]
             joint = trace_joint(lambda *a: tuple(self.run(*a)), args, differentiable, weights,
-                                self.options.decompositions())
+                                self.options.decompositions(), self._partition())
         for node in joint.forward.graph.nodes:
             if node.op == "output":
                 saved = node.args[0][joint.num_outputs:]

@@ -207,3 +207,61 @@ def test_offload_hooks_copy_out_and_back_exactly() -> None:
     torch.testing.assert_close(first[0], want[0], atol=0, rtol=0)
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+def _runners(pipe: Pipeline) -> list[Any]:
+    """The recomputing stages' block runners (pipeline.execution.activations.graph)."""
+    from pipeline.execution.activations.graph import GraphRecomputed
+
+    runs = [run for rt in pipe._executor.runtimes for run in rt._runs.values()]
+    assert all(isinstance(run, GraphRecomputed) for run in runs)
+    return [r for run in runs for r in run.runners]
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_runs_at_graph_level(gpt: Any, policy: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block of the demo GPT runs its traced graphs (no torch.utils.checkpoint), also
+    under a split backward, whose W then runs apart from B (nothing recomputed twice)."""
+    import torch.utils.checkpoint as ckpt
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.utils.checkpoint ran")
+
+    monkeypatch.setattr(ckpt, "checkpoint", refused)
+    model, x, y, want = gpt
+    pipe = Pipeline(model, 2, schedule="zb-h1", microbatches=4, loss_fn=lm_loss,
+                    balance="uniform", checkpoint_activations=policy)
+    _check(pipe, x, y, want)
+    runners = _runners(pipe)
+    assert len(runners) == 6
+    assert all(r.graph_calls == 4 and r.checkpointed_calls == 0 for r in runners)
+    assert not any(rt._runs[s].checkpoints for rt in pipe._executor.runtimes
+                   for s in rt._runs)
+
+
+def test_a_block_that_does_not_trace_is_checkpointed() -> None:
+    """A BatchNorm updates its running statistics in place, which the joint trace refuses:
+    its block runs under torch.utils.checkpoint (statistics updated once per microbatch), the
+    others at graph level; loss, grads and buffers equal the unsplit microbatched run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4))
+    model = model.double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = Pipeline(model, 2, schedule="zb-h1", microbatches=2, loss_fn=F.mse_loss,
+                    balance="uniform", checkpoint_activations="full", example_input=x)
+    loss = pipe.step(x, y)
+    expected = sum(F.mse_loss(ref(xm), ym) / 2
+                   for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True))
+    assert isinstance(expected, torch.Tensor)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0, msg=name)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
+        torch.testing.assert_close(b, c, atol=ATOL, rtol=0, msg=name)
+    calls = {r.name.split("region ")[1]: (r.graph_calls, r.checkpointed_calls)
+             for r in _runners(pipe)}
+    assert calls["'1'"] == (0, 2)  # the BatchNorm
+    assert calls["'0'"] == (2, 0) and calls["'3'"] == (2, 0)
