@@ -27,7 +27,7 @@ from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision, warn_low_precision_parameters
 from pipeline.execution.program import LossFn
-from pipeline.execution.timeouts import resolve_timeout
+from pipeline.execution.timeouts import resolve_compile_timeout, resolve_timeout
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
@@ -101,6 +101,9 @@ class Pipeline:
     - ``compile``: True, or a dict of torch.compile arguments (mode, backend, dynamic,
       fullgraph, options): every stage's forward and backward run compiled, equal blocks
       sharing one artefact; split-backward schedules keep B and W apart (docs/compile.md).
+    - ``compile_timeout``: with ``compile=``, the seconds a wait may take in a step in which
+      a process may be compiling (the first step of each batch shape, and setup), instead of
+      ``timeout`` (never less; default $HYBRIDPIPE_COMPILE_TIMEOUT, else 1800).
 
     Guides: docs/training.md (options and what a step guarantees), docs/capture.md (capture
     and real models), docs/schedules.md, docs/planning.md (cost model, profiling, auto-plan,
@@ -126,6 +129,7 @@ class Pipeline:
         grad_accumulation: str = "atomic",
         shard: str | None = None, reduce_dtype: torch.dtype | None = None,
         compile: bool | dict[str, Any] = False,  # noqa: A002 - torch.compile's name
+        compile_timeout: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -160,6 +164,7 @@ class Pipeline:
         if options is not None and self._executor.threads_on_cpu:
             options = options.without_gil()  # the ranks' threads must not queue on the GIL
         self._executor.compile = options
+        self._executor.compile_timeout = resolve_compile_timeout(compile_timeout)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
         self._modes = Modes(model)  # before any plan: it needs every tensor's shape

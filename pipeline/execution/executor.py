@@ -30,6 +30,7 @@ from pipeline.execution.precision import Precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.stage_code import StageCode, adopt
 from pipeline.execution.stage_io import weighted_loss
+from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
 from pipeline.planning.microbatch import Microbatches, batch_size, merge_microbatches
@@ -59,6 +60,7 @@ class Executor(ABC):
         self.weights_checked = False  # no meta tensor held (checked before the first step)
         self.saved_bytes: dict[int, SavedBytes] = {}  # pipeline rank -> its meter, if counting
         self.compile: CompileOptions | None = None  # the Pipeline's compile= (set before `load`)
+        self.compile_timeout = DEFAULT_COMPILE_TIMEOUT  # the Pipeline's compile allowance
         self.compile_stats = CompileStats()
 
     def runnable(self, module: StageModule, splits: bool) -> nn.Module:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from pipeline.execution.distributed import wire
 from pipeline.execution.distributed.failure import RankFailure, raised_text, stopped_text
+from pipeline.execution.timeouts import ENV_COMPILE_TIMEOUT, ENV_TIMEOUT
 from pipeline.planning.settings import Settings, mismatch_message
 
 _PREFIX = "hybridpipe/setup"
@@ -72,6 +73,7 @@ class Agreement:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self.setting = f"set Pipeline(timeout=...) or ${ENV_TIMEOUT}"  # what bounds waits
         # The k-th Pipeline on this process is the k-th on every process.
         self.pipeline = store.add(f"{_PREFIX}/count/{rank}", 1)
         self.seq = 0  # sync points passed
@@ -103,6 +105,21 @@ class Agreement:
                 self.fail(text)
                 err.add_note(f"hybridpipe: {text}; the other ranks are told and stop")
             raise
+
+    @contextmanager
+    def allowing(self, seconds: float) -> Iterator[None]:
+        """Bound the sync points inside by the compile allowance `seconds` instead of the
+        timeout (never by less): setup with compile=, in which global rank 0 may profile
+        compiled units while the others wait for its plan."""
+        saved = self.timeout, self.setting
+        if seconds > self.timeout:
+            self.timeout = seconds
+            self.setting = ("the compile allowance of setup with compile=; set "
+                            f"Pipeline(compile_timeout=...) or ${ENV_COMPILE_TIMEOUT}")
+        try:
+            yield
+        finally:
+            self.timeout, self.setting = saved
 
     def fail(self, text: str) -> None:
         """Tell the peers this process failed: `text` becomes its arrival at the pending sync
@@ -182,8 +199,7 @@ class Agreement:
             names.append(f"{self.describe(r)} ({last})")
         more = f" and {len(missing) - _NAMED} more" if len(missing) > _NAMED else ""
         verb = "did not answer at" if not missing else "did not reach"
-        text = (f"{', '.join(names)}{more} {verb} {what} within {self.timeout:g} s (set "
-                "Pipeline(timeout=...) or $HYBRIDPIPE_TIMEOUT): it was killed, crashed, "
-                "exited early or hangs")
+        text = (f"{', '.join(names)}{more} {verb} {what} within {self.timeout:g} s "
+                f"({self.setting}): it was killed, crashed, exited early or hangs")
         return text, missing or [0]
 

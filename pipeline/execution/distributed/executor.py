@@ -14,6 +14,18 @@ ranks of its pipeline, so a new batch shape re-agrees instead of hanging, and a 
 another call, or holds targets of another batch size, fails naming both values before any
 activation moves.
 
+Compiling. With ``compile=`` a process compiles its stages' regions in the first step that
+meets a shape, while its peers wait for it. A call (batch-shape key, step or forward, grad mode)
+not yet run since the stages were last built (`runnable`) may compile on any process of the
+pipeline, and every process knows it from the agreed key: its waits are bounded by the compile
+allowance (``compile_timeout``) instead of the timeout, and it ends with a barrier of the
+pipeline bounded by the allowance, after which no process compiles and every wait is bounded by
+the timeout again. A wait cannot be lengthened once it has begun (gloo's timed-out receive
+fails its whole context), so the bound is chosen before the step's first wait. The process
+groups' own timeouts (gloo's inside a collective, NCCL's watchdog) are raised to the allowance.
+Setup, in which global rank 0 profiles compiled units while the others wait for its plan,
+is bounded by the allowance too.
+
 Setup. Planning and `load` run as phases of the context's agreement
 (pipeline.execution.distributed.agreement): no tensor moves before every process has checked in at
 "the start" with the same settings; only then are the process groups made and replica 0's weights
@@ -23,7 +35,8 @@ copied to the other replicas.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -97,11 +110,26 @@ class DistributedExecutor(Executor):
         self._mine: dict[int, StageModule] = {}
         self.ties: TieSync | None = None
         self.agreement = StepAgreement(ctx, self.transport)
+        # Calls (shape key, step or forward, grad mode) run since the stages were last built:
+        # they compile nothing new (see the module's "Compiling").
+        self._warm: set[tuple[int, str, bool]] = set()
 
     # -- set-up -----------------------------------------------------------------------------------
 
-    def setting_up(self) -> AbstractContextManager[None]:
-        return self.context.agreement.phase("setup")
+    @contextmanager
+    def setting_up(self) -> Iterator[None]:
+        """A setup phase; with compile=, bounded by the compile allowance (global rank 0 may
+        profile compiled units while the others wait for its plan)."""
+        agreement = self.context.agreement
+        with agreement.phase("setup"), (
+            agreement.allowing(self.compile_timeout) if self.compile is not None
+            else nullcontext()
+        ):
+            yield
+
+    def runnable(self, module: StageModule, splits: bool) -> nn.Module:
+        self._warm.clear()  # stages built anew compile in their first steps again
+        return super().runnable(module, splits)
 
     def load(
         self, planned: Decision, *, loss_fn: LossFn | None, checkpoint_activations: object
@@ -172,6 +200,44 @@ class DistributedExecutor(Executor):
             self.ties.rebind(self.planned.model)
             self.ties.start()
         self.sharding.attach(self.planned.model, self._mine, self.ties)
+        if self.compile is not None:
+            self._allow_compiling_in_groups()
+
+    def _allow_compiling_in_groups(self) -> None:
+        """Raise the process groups' own timeouts to the compile allowance where lower: gloo
+        bounds a collective's internal waits by its group's timeout and NCCL's watchdog
+        aborts any operation older than it, whatever bound the explicit wait has. Outside a
+        compiling step every wait stays bounded by `timeout` (Failures.wait_work)."""
+        seconds = timedelta(seconds=max(self.compile_timeout, self.context.timeout))
+        ties = [group for _, group, _ in self.ties.mine] if self.ties is not None else []
+        default = dist.distributed_c10d._get_default_group()
+        for group in (default, self.context.pp_group, self.context.dp_group, *ties):
+            try:  # no public getter of a group's timeout (torch 2.14)
+                current = group._get_backend(self.context.device).options._timeout
+            except (AttributeError, RuntimeError):
+                current = None
+            if current is None or current < seconds:
+                set_timeout = getattr(dist, "set_timeout", None)  # private in older torch
+                if set_timeout is None:
+                    set_timeout = dist.distributed_c10d._set_pg_timeout
+                set_timeout(seconds, group)
+
+    @contextmanager
+    def _compiling(self, key: int, mode: str) -> Iterator[None]:
+        """The rest of a step whose call (`key`, `mode`, grad mode) may compile on some
+        process of the pipeline: its waits bounded by the compile allowance, then a barrier
+        of the pipeline under it (see the module's "Compiling"); else nothing."""
+        call = (key, mode, torch.is_grad_enabled())
+        if self.compile is None or call in self._warm:
+            yield
+            return
+        ctx = self.context
+        with ctx.failures.allowing(self.compile_timeout):
+            yield
+            done = torch.zeros(1, device=ctx.device)
+            work = dist.all_reduce(done, group=ctx.pp_group, async_op=True)
+            ctx.wait_work(work, None, "the end of a step that compiled (every stage's)")
+        self._warm.add(call)
 
     def _runtimes(self) -> list[RankRuntime]:
         runtime: RankRuntime | None = getattr(self, "runtime", None)  # set by reload
@@ -289,32 +355,33 @@ class DistributedExecutor(Executor):
         with ctx.guard("training step"):
             m, last = schedule.num_microbatches, self.holds_last_stage
             key, _ = self.agreement.agree_key(schedule, "train", m, inputs, targets)
-            self.transport.begin(key, self.agreement.messages(schedule, "train", m))
-            try:
-                total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-                ending, early = self.ending, self._tags_match  # gloo: post the receives now
-                pending = ending.receives(schedule, total, holds_last=last) if early else []
-                self.buffer_sync.begin()
-                self.sharding.gather(self.runtime.rebind)
-                with self.runtime.step_leaves():
-                    result = self.runtime.run_step(inputs, targets, loss_weights)
-                if last:
-                    losses = [v.to(torch.float64) for v in result.losses.values()]
-                    total += torch.stack(losses).sum()
-                if not early:
-                    pending += ending.receives(schedule, total, holds_last=last)
-                pending += ending.sends(total, result.events, holds_last=last)
-                self.transport.finish()
-            except BaseException:
-                self.transport.abandon()
-                self.sharding.release()
-                raise
-            self.sharding.reduce()
-            self.grads.finish()
-            if self.ties is not None:
-                self.ties.finish()
-            self.buffer_sync.finish()
-            timeline = ending.finish(schedule, pending, result.events)
+            with self._compiling(key, "train"):
+                self.transport.begin(key, self.agreement.messages(schedule, "train", m))
+                try:
+                    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+                    ending, early = self.ending, self._tags_match  # gloo: post the receives now
+                    pending = ending.receives(schedule, total, holds_last=last) if early else []
+                    self.buffer_sync.begin()
+                    self.sharding.gather(self.runtime.rebind)
+                    with self.runtime.step_leaves():
+                        result = self.runtime.run_step(inputs, targets, loss_weights)
+                    if last:
+                        losses = [v.to(torch.float64) for v in result.losses.values()]
+                        total += torch.stack(losses).sum()
+                    if not early:
+                        pending += ending.receives(schedule, total, holds_last=last)
+                    pending += ending.sends(total, result.events, holds_last=last)
+                    self.transport.finish()
+                except BaseException:
+                    self.transport.abandon()
+                    self.sharding.release()
+                    raise
+                self.sharding.reduce()
+                self.grads.finish()
+                if self.ties is not None:
+                    self.ties.finish()
+                self.buffer_sync.finish()
+                timeline = ending.finish(schedule, pending, result.events)
         return StepResult(total / self.layout.data_parallel, timeline, result.input_grads)
 
     def _run_forward(self, inputs: Sequence[tuple[Tensor, ...]] | None) -> list[Any]:
@@ -322,19 +389,20 @@ class DistributedExecutor(Executor):
         with self.context.guard("forward pass"):
             count = len(inputs) if inputs is not None else 0
             key, count = self.agreement.agree_key(self._schedule, "forward", count, inputs)
-            self.transport.begin(key, self.agreement.messages(self._schedule, "forward", count))
-            self.buffer_sync.begin()
-            self.sharding.gather(self.runtime.rebind)
-            try:
-                grad = self.sharding.forward_grad(torch.is_grad_enabled())
-                result = self.runtime.run_forward(inputs, count, grad=grad)
-                self.transport.finish()
-            except BaseException:
-                self.transport.abandon()
-                raise
-            finally:
-                self.sharding.release()
-            self.buffer_sync.finish()
+            with self._compiling(key, "forward"):
+                self.transport.begin(key, self.agreement.messages(self._schedule, "forward", count))
+                self.buffer_sync.begin()
+                self.sharding.gather(self.runtime.rebind)
+                try:
+                    grad = self.sharding.forward_grad(torch.is_grad_enabled())
+                    result = self.runtime.run_forward(inputs, count, grad=grad)
+                    self.transport.finish()
+                except BaseException:
+                    self.transport.abandon()
+                    raise
+                finally:
+                    self.sharding.release()
+                self.buffer_sync.finish()
         if not self.holds_last_stage:
             return []
         return [result.outputs[m] for m in range(count)]

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeline.execution.distributed.topology import Layout
-from pipeline.execution.timeouts import ENV_TIMEOUT
+from pipeline.execution.timeouts import ENV_COMPILE_TIMEOUT, ENV_TIMEOUT
 
 _FAILED_COUNT = "hybridpipe/failed/count"
 _FAILED_TEXT = "hybridpipe/failed/text"
@@ -58,6 +58,7 @@ class Failures:
         self.wait = timedelta(seconds=timeout)
         self.broken: str | None = None
         self.on_report = on_report
+        self.setting = f"; set Pipeline(timeout=...) or ${ENV_TIMEOUT}"  # what bounds waits
 
     def report(self, text: str) -> None:
         """Record the first failure of the job in the store (later reports are dropped)."""
@@ -84,6 +85,21 @@ class Failures:
         except RuntimeError:  # DistStoreError (timeout, store gone) derives from RuntimeError
             return None
         return self.cause()
+
+    @contextmanager
+    def allowing(self, seconds: float) -> Iterator[None]:
+        """Bound the waits inside by the compile allowance `seconds` instead of the timeout
+        (never by less): a step in which a process may be compiling (see
+        pipeline.execution.distributed.executor)."""
+        saved = self.timeout, self.wait, self.setting
+        if seconds > self.timeout:
+            self.timeout, self.wait = seconds, timedelta(seconds=seconds)
+            self.setting = (", the compile allowance of a step in which a process may "
+                            f"compile; set Pipeline(compile_timeout=...) or ${ENV_COMPILE_TIMEOUT}")
+        try:
+            yield
+        finally:
+            self.timeout, self.wait, self.setting = saved
 
     @staticmethod
     def tear_down() -> None:
@@ -134,7 +150,7 @@ class Failures:
             source = "the other ranks" if peer is None else self.layout.describe(peer)
             raise CommError(
                 f"{self.layout.describe()} waiting for {what} from {source} failed "
-                f"(timeout {self.timeout:g} s; set Pipeline(timeout=...) or ${ENV_TIMEOUT}): "
+                f"(timeout {self.timeout:g} s{self.setting}): "
                 f"{str(err).splitlines()[0]}",
                 peer,
             ) from err

@@ -369,7 +369,7 @@ class P2PTransport:
         sender, self._sender = self._sender, None
         try:
             if sender is not None:
-                self._sends += sender.close(self.ctx.timeout)
+                self._sends += sender.close(self.ctx.failures.timeout)
             for work, dst, what, _ in self._sends:
                 self._wait(work, dst, f"the delivery of {what}")
         finally:
