@@ -26,6 +26,7 @@ from pipeline.execution.executor import Executor, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.program import RankResult, StepResult
 from pipeline.execution.runtime import RankRuntime
+from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.decision import Coordination, decide_alone
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
@@ -54,28 +55,35 @@ class _Mailbox:
             self.items[key] = message
             self.cond.notify_all()
 
-    def take(self, recv: Recv, timeout: float, abort: CancelToken, rank: int) -> _Message:
+    def take(
+        self, recv: Recv, timeout: float, abort: CancelToken, rank: int, allowance: float
+    ) -> _Message:
+        """The message `recv` waits for, within `timeout`, or while a stage compiles within the
+        compile `allowance`."""
         key = recv.key
         with self.cond:
             message = self.items.pop(key, None)
             if message is not None:
                 return message
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
+            deadline = start + timeout
             while key not in self.items:
                 if abort.is_set():
                     raise PipelineAborted(
                         f"pipeline rank {rank} cancelled while waiting for "
                         f"{describe_message(key)}: another rank failed"
                     )
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0 and compiling():  # a peer compiling its stage is not stuck
-                    deadline, left = time.monotonic() + timeout, timeout
+                    left = min(timeout, start + allowance - now)
+                    deadline = now + left
                 if left <= 0:
                     raise TimeoutError(
-                        f"pipeline rank {rank} waited {timeout:.1f} s for "
+                        f"pipeline rank {rank} waited {max(timeout, deadline - start):.1f} s for "
                         f"{describe_message(key)} from pipeline rank {recv.peer} and nothing "
                         "arrived; raise Pipeline(timeout=...) if a step legitimately takes "
-                        "this long"
+                        "this long (or compile_timeout=..., if a stage compiled all along)"
                     )
                 self.cond.wait(min(_POLL, left))
             return self.items.pop(key)
@@ -99,6 +107,7 @@ class LocalTransport:
         copy_streams: Sequence[streams.AnyStream],
         abort: CancelToken,
         timeout: float,
+        allowance: float = DEFAULT_COMPILE_TIMEOUT,
     ) -> None:
         self.rank = rank
         self.devices = devices
@@ -106,6 +115,7 @@ class LocalTransport:
         self.copy_streams = copy_streams
         self.abort = abort
         self.timeout = timeout
+        self.allowance = allowance  # the compile allowance (Pipeline(compile_timeout=...))
 
     def send(self, send: Send, tensors: tuple[Tensor, ...]) -> None:
         dst = send.peer
@@ -125,7 +135,9 @@ class LocalTransport:
         self.mailboxes[dst].put(send.key, message)
 
     def recv(self, recv: Recv) -> tuple[Tensor, ...]:
-        message = self.mailboxes[self.rank].take(recv, self.timeout, self.abort, self.rank)
+        message = self.mailboxes[self.rank].take(
+            recv, self.timeout, self.abort, self.rank, self.allowance
+        )
         consumer = streams.current_stream(self.devices[self.rank])
         streams.wait_event(consumer, message.ready)
         if consumer is not message.copy_stream:
@@ -250,7 +262,7 @@ class LocalExecutor(Executor):
                  for s in schedule.stages_of(rank)},
                 LocalTransport(
                     rank, self.devices, self.mailboxes, self.copy_streams, self.abort,
-                    self.timeout,
+                    self.timeout, self.compile_timeout,
                 ),
                 device=self.devices[rank],
                 loss_fn=self.loss_fn,
@@ -343,11 +355,15 @@ class LocalExecutor(Executor):
             t.start()
         try:
             # A waiting peer times out after `timeout`; this catches stages stuck with none
-            # waiting on them, a little later so that the peer's own error comes first.
+            # waiting on them, a little later so that the peer's own error comes first. A
+            # stage compiling is busy, not stuck, for up to the compile allowance.
+            since: float | None = None  # when the compiling going on now began
             while not wake.wait(_POLL):
-                if compiling():  # a stage compiling is busy, not stuck
-                    cancel.beat = time.monotonic()
-                elif time.monotonic() - cancel.beat > self.timeout + _GRACE:
+                now = time.monotonic()
+                since = (since or now) if compiling() else None
+                if since is not None and now - since <= self.compile_timeout:
+                    cancel.beat = now
+                elif now - cancel.beat > self.timeout + _GRACE:
                     break
         except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             self._cancel(cancel, threads)
@@ -361,8 +377,9 @@ class LocalExecutor(Executor):
             else:
                 err = TimeoutError(
                     f"no pipeline rank started an action for timeout={self.timeout:g} s; "
-                    "a stage may be stuck in compute. Raise Pipeline(timeout=...) if a single "
-                    "action legitimately takes this long"
+                    "a stage may be stuck in compute (or compiling: compile_timeout="
+                    f"{self.compile_timeout:g} s). Raise Pipeline(timeout=...) (or "
+                    "compile_timeout=...) if a single action legitimately takes this long"
                 )
             if stuck:
                 err.add_note(

@@ -4,7 +4,8 @@ plan), in the first step (rank 1 compiles its stage while rank 0 waits for its g
 in a step of a new batch shape (rank 0 compiles it again), is waited for under the compile
 allowance, and each step equals the eager pipeline's (float64, loss and every gradient). The
 same 6 s outside any compile, before a step of known shapes, still fails after the 3 s
-timeout, naming the wait. This file is also the worker: ``python <this file> slow OUT_DIR``."""
+timeout, naming the wait. In one process the compile allowance bounds the wait for a
+compiling stage too. This file is also the worker: ``python <this file> slow OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -96,6 +97,43 @@ def test_compile_waits_under_the_allowance_not_the_timeout(tmp_path: Path) -> No
     assert waited in ended[1].output, dump(ended)
     assert "because rank 0 (pipeline rank 0 of replica 0) stopped responding" in ended[1].output
     assert "because rank 1" in ended[0].output or waited in ended[0].output, dump(ended)
+
+
+@pytest.mark.slow
+def test_one_process_waits_for_a_compile_up_to_the_allowance() -> None:
+    """Local executor, timeout=0.5 s: rank 1 waits for rank 0's compile (slowed by DELAY)
+    past its timeout, but no longer than compile_timeout=1.5 s; the error names both."""
+    from pipeline import Pipeline
+    from tests.support.models import lm_loss, make_model
+
+    x, y = global_batch(0, BATCH)
+    pipe = Pipeline(make_model(), stages=2, microbatches=2, loss_fn=lm_loss, balance="uniform",
+                    compile={"backend": backend}, timeout=0.5, compile_timeout=1.5)
+    SLOW[0] = True
+    with pytest.raises(TimeoutError, match=r"pipeline rank 1 waited 1\.5 s for activations of "
+                       r"stage 0 microbatch 0 .*\(or compile_timeout=\.\.\., if a stage compiled"):
+        pipe.step(x, y)
+    assert not SLOW[0]
+
+
+def test_compile_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.execution.timeouts import (
+        DEFAULT_COMPILE_TIMEOUT,
+        ENV_COMPILE_TIMEOUT,
+        resolve_compile_timeout,
+    )
+
+    monkeypatch.delenv(ENV_COMPILE_TIMEOUT, raising=False)
+    assert resolve_compile_timeout(None) == DEFAULT_COMPILE_TIMEOUT == 1800.0
+    assert resolve_compile_timeout(60) == 60.0
+    monkeypatch.setenv(ENV_COMPILE_TIMEOUT, "600")
+    assert resolve_compile_timeout(None) == 600.0
+    assert resolve_compile_timeout(5) == 5.0  # the argument wins
+    monkeypatch.setenv(ENV_COMPILE_TIMEOUT, "long")
+    with pytest.raises(ValueError, match=r"\$HYBRIDPIPE_COMPILE_TIMEOUT='long' is not a number"):
+        resolve_compile_timeout(None)
+    with pytest.raises(ValueError, match="compile_timeout must be > 0 seconds"):
+        resolve_compile_timeout(-1)
 
 
 if __name__ == "__main__":
