@@ -30,7 +30,9 @@ in the c10d store and tears its process group down, so its peers' waits fail at 
 other rank raises `RankFailure` naming it (and exits non-zero). A rank killed outright (SIGKILL,
 lost node) is named by whichever peer first sees its connection close; a rank that hangs is
 named by the peers whose waits on it time out. After a failure the process group is gone:
-restart the job (``torchrun --max-restarts``) from the last checkpoint.
+restart the job (``torchrun --max-restarts``) from the last checkpoint. With ``compile=``, a
+step in which a process may be compiling is bounded by the compile allowance instead
+(``compile_timeout=``, else HYBRIDPIPE_COMPILE_TIMEOUT, else 1800 s; see executor.py).
 
 Setup moves no tensor until every process has checked in through the c10d store with the same
 settings: stages, data_parallel, schedule and its text, microbatches, virtual stages, loss
