@@ -327,10 +327,15 @@ class LocalExecutor(Executor):
         lock = threading.Lock()
         left = [n]
         wake = threading.Event()
+        # The caller's intra-op thread count, given to each worker: torch keeps it per thread
+        # (OpenMP's and MKL's settings), and a new thread's first matrix product would start
+        # an OpenMP team of every core, whose spinning workers compete with the other ranks.
+        intra_op = torch.get_num_threads()
 
         def worker(rank: int) -> None:
             runtime = self.runtimes[rank]
             try:
+                torch.set_num_threads(intra_op)
                 with (
                     streams.use_device(runtime.device),
                     streams.use_stream(self.compute_streams[rank]),

@@ -444,3 +444,32 @@ def test_clip_grad_norm_over_the_whole_model(norm_type: float) -> None:
     torch.testing.assert_close(pipe.clip_grad_norm_(0.01, norm_type), expected, atol=ATOL, rtol=0)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0)
+
+
+def _omp_max_threads() -> int:
+    """This thread's OpenMP thread count (torch's build uses GNU OpenMP), read without
+    torch's own getter, which would first set it from torch's setting."""
+    import ctypes
+
+    return int(ctypes.CDLL("libgomp.so.1").omp_get_max_threads())
+
+
+def test_rank_threads_take_the_callers_intra_op_threads() -> None:
+    # A new thread's OpenMP and MKL thread counts start at every core, not at the caller's
+    # torch.set_num_threads: a matrix product there starts an OpenMP team whose spinning
+    # workers compete with the other ranks' threads. The workers take the caller's count.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=lambda out, y: out.sum())
+    seen: list[int] = []
+    x = torch.randn(4, 4)
+    pipe.step(x, torch.zeros(4))
+    for stage in pipe.stage_modules:
+        stage.register_forward_pre_hook(lambda *_: seen.append(_omp_max_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe.step(x, torch.zeros(4))
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}, seen
