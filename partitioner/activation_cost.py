@@ -4,16 +4,17 @@ written onto the graph's units, so a stage's price under any partition is a sum 
 
 - ``kept_none`` / ``kept_full`` / ``kept_selective``: bytes the block keeps for its backward
   per microbatch under "none", "full" (its inputs) and "selective" (its inputs and the
-  outputs `selective_keep.keep_plan` chooses, by the rule the runtime runs), counted with
-  `saved_bytes.SavedBytes` as the runtime does;
+  outputs the rule of `selective_keep` chooses), run as the runtime runs them (the runs
+  given to `price_policies`) and counted with `saved_bytes.SavedBytes` as the runtime does;
   with ``_later``, the same in a stage after the first, whose runtime makes every float
   input need grad (a rotary table received from the stage before, say). A value an earlier
   block read too counts with that block only; ``shared_reads`` names such values and their
   bytes, which a later stage receives, and keeps, once;
 - ``added_full`` / ``added_selective``: the time a forward and backward under "full" and
-  "selective" take beyond a plain one (recomputation, and the checkpoint and op-caching
-  machinery), over the plain one's; timed block by block, each the fastest of a few trials,
-  and summed over the whole model (one block is too short to time on a busy machine);
+  "selective" take beyond a plain one (recomputation at graph level, or under the checkpoint
+  where a block does not trace), over the plain one's; timed block by block (as many at once
+  as the process runs rank threads), each the fastest of a few trials, and summed over the
+  whole model (one block is too short to time on a busy machine);
 - ``recompute_flops_full`` / ``recompute_flops_selective``: FLOPs of the matmuls,
   convolutions and attention (the candidate ops) that a recomputation under each runs;
 - ``offload_time``: seconds to move the "none" bytes to host memory one way (at the copy
@@ -26,6 +27,7 @@ were."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,15 +93,37 @@ def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def _step_seconds(run: Callable[..., Any], values: Sequence[Any],
-                  device: torch.device) -> float:
-    """Seconds of a forward and backward of `run` (from every float output it returns)."""
+                  device: torch.device, threads: int = 1) -> float:
+    """Seconds of a forward and backward of `run` (from every float output it returns); with
+    `threads`, of that many run at once, one a thread (as rank threads share a process)."""
     def step() -> None:
         with torch.enable_grad():
             outs = [o for o in tree_leaves(run(*_leaves(values)))
                     if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    return _seconds(step, device)
+
+    if threads == 1:
+        return _seconds(step, device)
+    failed: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            step()
+        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread below
+            failed.append(err)
+
+    def together() -> None:
+        workers = [threading.Thread(target=guarded) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    seconds = _seconds(together, device)
+    if failed:
+        raise failed[0]
+    return seconds
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
@@ -118,13 +142,17 @@ and the recompute FLOPs of each (of the candidate ops) as its last "selective" c
 
 def price_policies(
     captured: Captured, example_inputs: tuple[Any, ...], save_ops: Sequence[Any],
-    budget: float | None, runs_of: RunsOf,
+    budget: float | None, runs_of: RunsOf, threads: int = 1,
 ) -> None:
     """Write each policy's price (see the module docstring) onto the units of `captured`,
     measured on `example_inputs` (flat, as the graph's inputs) on the device the model's
     parameters are on; `save_ops` and `budget`: the candidate ops "selective" may keep and
     its byte budget (selective_keep); `runs_of`: how the runtime runs a block under "full"
-    and "selective" (pipeline.execution.activations.graph.block_runs)."""
+    and "selective" (pipeline.execution.activations.graph.block_runs); `threads`: how many
+    pipeline ranks the process runs in threads (the local executor on CPU): the policies are
+    timed that many at once, as they run, since what they add holds the interpreter lock
+    differently from a plain block (a traced backward runs its ops from Python, autograd's
+    own in C++)."""
     gm, unit_of, order, graph = (captured.graph_module, captured.unit_of, captured.order,
                                  captured.graph)
     model = captured.model
@@ -168,7 +196,7 @@ def price_policies(
             fastest = dict.fromkeys(runs, float("inf"))
             for _ in range(_TRIALS):  # interleaved: a busy spell slows every policy alike
                 for p, run in runs.items():
-                    fastest[p] = min(fastest[p], _step_seconds(run, args, device))
+                    fastest[p] = min(fastest[p], _step_seconds(run, args, device, threads))
             for p, t in fastest.items():
                 times[p] += t
             if block is not chain.blocks[-1]:

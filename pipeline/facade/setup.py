@@ -67,6 +67,8 @@ class Setup:
             )
         if executor.compile is not None:  # the balance sees the compiled units' costs
             planner.unit_runner = executor.profiled_unit
+        if executor.threads_on_cpu:  # the ranks share this process's interpreter lock
+            planner.price_threads = len(executor.devices)
         ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(
             stages=stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,

@@ -207,6 +207,9 @@ class Planner:
         # What runs a unit when it is profiled (set by the facade under compile=: the unit
         # compiled, so the balance, the simulator and "auto" see compiled costs).
         self.unit_runner: UnitRunner | None = None
+        # How many pipeline ranks the process runs in threads (the policies' prices are timed
+        # that many at once; set by the facade).
+        self.price_threads = 1
         self.leaf_modules = leaf_modules
         self.schedule_spec = schedule
         given = microbatches if isinstance(microbatches, int) else None
@@ -309,7 +312,7 @@ class Planner:
             measure(captured, self.model, example, how.device, self.unit_runner)
             if self.auto_activations:
                 price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
-                               block_runs)
+                               block_runs, self.price_threads)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
         profiled = captured if auto.microbatches == m else None  # reused: same microbatch
         if profiled is None:
@@ -365,7 +368,7 @@ class Planner:
                 measure(captured, self.model, example, how.device, self.unit_runner)
                 if self.auto_activations:
                     price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
-                               block_runs)
+                               block_runs, self.price_threads)
         with how.phase("partitioning of the model"):
             plan = partition(captured, schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if costed else None
