@@ -5,13 +5,16 @@ False, "auto" (the planner chooses per stage under ``memory_limit``,
 pipeline.planning.activation_plan), or one policy per stage.
 
 - "none": keep every tensor the backward needs (fastest, most memory).
-- "full": keep each block's inputs only and recompute the block in the backward, one block
-  at a time (partitioner.blocks; torch.utils.checkpoint per block).
+- "full": keep each block's inputs only (and dropout's masks) and recompute the block in the
+  backward, one block at a time (partitioner.blocks; at graph level,
+  pipeline.execution.activations.graph, or torch.utils.checkpoint for a block that does not
+  trace).
 - "selective": keep each block's inputs and some outputs of the ops in `Selective.save`
   (matmuls, convolutions, attention): those with the most recompute FLOPs per byte, within
   `Selective.budget` (half the block's "none" bytes), among the ones its recomputation would
-  run (partitioner.selective_keep); recompute the rest (op-level selective activation
-  checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+  run (partitioner.selective_keep); recompute the rest (op-level selective recompute, at
+  graph level as "full"; ``create_selective_checkpoint_contexts`` where a block does not
+  trace).
 - "offload": keep every tensor, in pinned host memory (``torch.autograd.graph.save_on_cpu``;
   pipeline.execution.activations.offload); on a CPU device nothing moves ("none").
 """
