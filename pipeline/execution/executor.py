@@ -82,12 +82,13 @@ class Executor(ABC):
         GIL, so compiled code should not hold it)."""
         return False
 
-    def profiled_unit(self, unit: nn.Module) -> nn.Module:
+    def profiled_unit(self, unit: nn.Module, splits: bool = True) -> nn.Module:
         """What runs a captured unit when the planner times it: compiled as the stages will
-        be (compile=), so the balance sees compiled costs; else the unit itself."""
+        be (compile=), so the balance sees compiled costs; else the unit itself. `splits`:
+        B and W are timed apart (a schedule may split the backward)."""
         if self.compile is None or self.shard == "full" or not isinstance(unit, fx.GraphModule):
             return unit
-        return compiled_unit(unit, self.compile, self.compile_stats)
+        return compiled_unit(unit, self.compile, self.compile_stats, splits=splits)
 
     # -- set-up -----------------------------------------------------------------------------------
 

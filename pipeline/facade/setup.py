@@ -6,6 +6,7 @@ checked against the captured graph (`inputs`)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Sequence
@@ -66,7 +67,11 @@ class Setup:
                 surveyed=surveyed,
             )
         if executor.compile is not None:  # the balance sees the compiled units' costs
-            planner.unit_runner = executor.profiled_unit
+            # B and W are timed apart only where a schedule may split the backward (else
+            # the profiled units compile no input-grad graph).
+            built = planner.schedule
+            splits = built is None or built.splits_backward or planner.auto_schedule
+            planner.unit_runner = functools.partial(executor.profiled_unit, splits=splits)
         if executor.threads_on_cpu:  # the ranks share this process's interpreter lock
             planner.price_threads = len(executor.devices)
         ctx = executor.context

@@ -31,14 +31,15 @@ def compiled_stage(
 
 
 def compiled_unit(
-    unit: fx.GraphModule, options: CompileOptions, stats: CompileStats
+    unit: fx.GraphModule, options: CompileOptions, stats: CompileStats, *, splits: bool = True
 ) -> fx.GraphModule:
     """A captured unit (a graph over its own parameters) run through compiled regions, as the
     profiler times it; its regions' artefacts are those the stages later reuse (same code,
-    same shapes). The backward is split-ready, so B and W are timed apart. A region that
-    cannot be traced here (e.g. a Python number crossing between torch.fx units) is timed
-    eager with a log line: the stages are cut otherwise and warn for themselves."""
+    same shapes). `splits`: the backward is split-ready, so B and W are timed apart (else a
+    backward call always runs the whole backward graph: no input-grad graph is compiled). A
+    region that cannot be traced here (e.g. a Python number crossing between torch.fx units)
+    is timed eager with a log line: the stages are cut otherwise and warn for themselves."""
     regions = regions_of(unit)
-    runners = [RegionRunner(region, unit, options, stats, "profiled unit", True, quiet=True)
+    runners = [RegionRunner(region, unit, options, stats, "profiled unit", splits, quiet=True)
                for region in regions]
     return outline(unit, regions, runners)

@@ -12,6 +12,7 @@ one test runs the real inductor backend."""
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import warnings
 from collections import Counter
@@ -394,6 +395,23 @@ def test_balance_profiles_compiled_units() -> None:
     pipe.step(x, y)
     assert stats.reused >= 2 and stats.eager == {}  # the stages' blocks: the profiled ones
     assert stats.graphs - planned < planned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_profile_compiles_input_grad_graphs_only_for_split_schedules(
+    schedule: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The planner times B apart from the whole backward only where the schedule splits it:
+    under 1F1B the profiled units compile no input-grad graph, under ZB-H1 they do."""
+    x, _ = _batch()
+    with caplog.at_level(logging.INFO, logger="hybridpipe"):
+        Pipeline(make_model(), 2, schedule=schedule, microbatches=2, loss_fn=lm_loss,
+                 compile={"backend": Recorder()}, example_input=x)
+    compiled = [r.getMessage() for r in caplog.records
+                if "profiled unit" in r.getMessage() and "compiled in" in r.getMessage()]
+    assert any(" backward compiled" in m for m in compiled), compiled
+    assert any("input-grad" in m for m in compiled) == (schedule == "zb-h1"), compiled
 
 
 @pytest.mark.slow
