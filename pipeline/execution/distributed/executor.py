@@ -20,9 +20,11 @@ not yet run since the stages were last built (`runnable`) may compile on any pro
 pipeline, and every process knows it from the agreed key: its waits are bounded by the compile
 allowance (``compile_timeout``) instead of the timeout, and it ends with a barrier of the
 pipeline bounded by the allowance, after which no process compiles and every wait is bounded by
-the timeout again. A wait cannot be lengthened once it has begun (gloo's timed-out receive
-fails its whole context), so the bound is chosen before the step's first wait. The process
-groups' own timeouts (gloo's inside a collective, NCCL's watchdog) are raised to the allowance.
+the timeout again (a rank may compile after its peers ended the step: the backward of an uneven
+last microbatch under GPipe). A wait cannot be lengthened once it has begun (gloo's timed-out
+receive fails its whole context), so the bound is chosen before the step's first wait. The
+process groups' own timeouts (gloo's inside a collective, NCCL's watchdog) are raised to the
+allowance.
 Setup, in which global rank 0 profiles compiled units while the others wait for its plan,
 is bounded by the allowance too.
 
