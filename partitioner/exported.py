@@ -89,6 +89,13 @@ def non_persistent_buffers(model: nn.Module) -> set[str]:
     return names
 
 
+def _dtype_check(node: fx.Node) -> bool:
+    """Export's check of the dtype a ``.to()``/``.float()`` meets, as capture met it. On meta,
+    where autocast does nothing, that is fp32 where the run (under ``mixed_precision`` or the
+    model's own autocast block) meets bf16: a meta capture drops these checks."""
+    return node.target is torch.ops.aten._assert_tensor_metadata.default
+
+
 def export_flat(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -129,12 +136,7 @@ def export_flat(
     output: fx.Node | None = None
     on_meta = any(t.is_meta for t in tensors.values() if isinstance(t, torch.Tensor))
     for node in old.nodes:
-        if node.op == "placeholder":
-            continue
-        if on_meta and node.target is torch.ops.aten._assert_tensor_metadata.default:
-            # Export checks the dtype a ``.to()``/``.float()`` meets as it met it; on meta,
-            # where autocast does nothing, that is fp32 where the run (under
-            # ``mixed_precision`` or the model's own autocast block) meets bf16.
+        if node.op == "placeholder" or on_meta and _dtype_check(node):
             continue
         if node.op == "output":
             output = node

@@ -359,17 +359,7 @@ class LocalExecutor(Executor):
         for t in threads:
             t.start()
         try:
-            # A waiting peer times out after `timeout`; this catches stages stuck with none
-            # waiting on them, a little later so that the peer's own error comes first. A
-            # stage compiling is busy, not stuck, for up to the compile allowance.
-            since: float | None = None  # when the compiling going on now began
-            while not wake.wait(_POLL):
-                now = time.monotonic()
-                since = (since or now) if compiling() else None
-                if since is not None and now - since <= self.compile_timeout:
-                    cancel.beat = now
-                elif now - cancel.beat > self.timeout + _GRACE:
-                    break
+            self._watch(cancel, wake)
         except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             self._cancel(cancel, threads)
             raise
@@ -396,6 +386,20 @@ class LocalExecutor(Executor):
         for rank, device in enumerate(self.devices):
             streams.wait_stream(streams.current_stream(device), self.compute_streams[rank])
         return [r for r in results if r is not None]
+
+    def _watch(self, cancel: CancelToken, wake: threading.Event) -> None:
+        """Wait for `wake` (the workers ended or one failed), or until no stage started an
+        action for `timeout` s. A waiting peer times out after `timeout`; this catches stages
+        stuck with none waiting on them, a little later so that the peer's own error comes
+        first. A stage compiling is busy, not stuck, for up to the compile allowance."""
+        since: float | None = None  # when the compiling going on now began
+        while not wake.wait(_POLL):
+            now = time.monotonic()
+            since = (since or now) if compiling() else None
+            if since is not None and now - since <= self.compile_timeout:
+                cancel.beat = now
+            elif now - cancel.beat > self.timeout + _GRACE:
+                return
 
     def _cancel(self, cancel: CancelToken, threads: Sequence[threading.Thread]) -> list[str]:
         """Cancel the step and give its workers `_GRACE` s to stop; those still running."""
