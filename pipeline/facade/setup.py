@@ -17,6 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from partitioner.capture import call_structure, check_inputs
 from partitioner.exported import flat_inputs
+from pipeline.execution.activations.graph import block_runs
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import job_agreement, process_device
 from pipeline.execution.executor import Executor
@@ -72,6 +73,7 @@ class Setup:
             built = planner.schedule
             splits = built is None or built.splits_backward or planner.auto_schedule
             planner.unit_runner = functools.partial(executor.profiled_unit, splits=splits)
+        planner.block_runs = block_runs  # the policies are priced as the runtime runs them
         if executor.threads_on_cpu:  # the ranks share this process's interpreter lock
             planner.price_threads = len(executor.devices)
         ctx = executor.context

@@ -26,10 +26,9 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from partitioner import Captured, CaptureError, capture, partition, profile, split_model
-from partitioner.activation_cost import price_policies
+from partitioner.activation_cost import RunsOf, price_policies
 from partitioner.estimate import estimate
 from partitioner.rebind import rebind
-from pipeline.execution.activations.graph import block_runs
 from pipeline.planning.activation_plan import planned_activations
 from pipeline.planning.activation_policies import SELECTIVE_BUDGET, SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
@@ -210,6 +209,9 @@ class Planner:
         # How many pipeline ranks the process runs in threads (the policies' prices are timed
         # that many at once; set by the facade).
         self.price_threads = 1
+        # How the runtime runs a block under "full" and "selective" (set by the facade:
+        # pipeline.execution.activations.graph.block_runs), so the prices are of that code.
+        self.block_runs: RunsOf | None = None
         self.leaf_modules = leaf_modules
         self.schedule_spec = schedule
         given = microbatches if isinstance(microbatches, int) else None
@@ -311,8 +313,7 @@ class Planner:
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
             measure(captured, self.model, example, how.device, self.unit_runner)
             if self.auto_activations:
-                price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
-                               block_runs, self.price_threads)
+                self._price(captured, example)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
         profiled = captured if auto.microbatches == m else None  # reused: same microbatch
         if profiled is None:
@@ -358,6 +359,14 @@ class Planner:
         log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
         return self._build(m)
 
+    def _price(self, captured: Captured, example: tuple[Any, ...]) -> None:
+        """Each activation policy's price on the units of `captured`, as the runtime runs it."""
+        if self.block_runs is None:
+            raise RuntimeError("checkpoint_activations=\"auto\" prices the policies with the "
+                               "runtime's block runners: set Planner.block_runs first")
+        price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
+                       self.block_runs, self.price_threads)
+
     def _partition(self, captured: Captured, schedule: Schedule, example: tuple[Any, ...],
                    profiled: bool, how: Coordination) -> Partition:
         """(The leader) the partition, and the stage costs while it holds the whole model;
@@ -367,8 +376,7 @@ class Planner:
             with how.phase("profiling of the model"):
                 measure(captured, self.model, example, how.device, self.unit_runner)
                 if self.auto_activations:
-                    price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
-                               block_runs, self.price_threads)
+                    self._price(captured, example)
         with how.phase("partitioning of the model"):
             plan = partition(captured, schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if costed else None
