@@ -265,3 +265,27 @@ def test_a_block_that_does_not_trace_is_checkpointed() -> None:
              for r in _runners(pipe)}
     assert calls["'1'"] == (0, 2)  # the BatchNorm
     assert calls["'0'"] == (2, 0) and calls["'3'"] == (2, 0)
+
+
+def test_graph_level_recompute_traces_each_new_shape() -> None:
+    """A batch of another size and sequence length (dynamic_dims): the blocks trace again
+    for the new shapes and stay exact."""
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, 2, schedule="zb-h1", microbatches=2, loss_fn=lm_loss,
+                    balance="uniform", checkpoint_activations="selective", dynamic_dims=(1,))
+    for rows, seq in ((4, 6), (6, 5)):
+        x, y = torch.randint(0, 32, (rows, seq)), torch.randint(0, 32, (rows, seq))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        want = sum(lm_loss(ref(xm), ym) * len(xm) / rows
+                   for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True))
+        assert isinstance(want, torch.Tensor)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), atol=ATOL, rtol=0)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=0)
+    runners = _runners(pipe)
+    assert all(r.checkpointed_calls == 0 and len(r.signatures) == 2 for r in runners)
