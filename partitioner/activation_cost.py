@@ -17,6 +17,8 @@ written onto the graph's units, so a stage's price under any partition is a sum 
   whole model (one block is too short to time on a busy machine);
 - ``recompute_flops_full`` / ``recompute_flops_selective``: FLOPs of the matmuls,
   convolutions and attention (the candidate ops) that a recomputation under each runs;
+- ``held_to_w_full`` / ``held_to_w_selective``: bytes a split backward's B keeps for its W
+  under each (the output grads and recomputed inputs the weight grads read);
 - ``offload_time``: seconds to move the "none" bytes to host memory one way (at the copy
   bandwidth measured on the block's device; pinned host memory on CUDA); None on a CPU
   device, where "offload" moves nothing.
@@ -135,9 +137,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
 
 
 RunsOf = Callable[[fx.GraphModule, Sequence[Any], float | None],
-                  tuple[dict[str, Callable[..., Any]], Callable[[], tuple[float, float]]]]
+                  tuple[dict[str, Callable[..., Any]], Callable[[], dict[str, float]]]]
 """How a block runs under "full" and "selective" (given the candidate ops and the budget),
-and the recompute FLOPs of each (of the candidate ops) as its last "selective" call planned."""
+and, after those runs, its ``recompute_flops_*`` and ``held_to_w_*`` figures (module
+docstring)."""
 
 
 def price_policies(
@@ -165,6 +168,7 @@ def price_policies(
             {f"kept_{p}{suffix}": 0.0 for p in ("none", "full", "selective")
              for suffix in ("", "_later")},
             recompute_flops_full=0.0, recompute_flops_selective=0.0,
+            held_to_w_full=0.0, held_to_w_selective=0.0,
             offload_time=None if bandwidth is None else 0.0)
     values = dict(zip((n.name for n in chain.placeholders), example_inputs, strict=False))
     read: set[str] = set()  # values read by a block already
@@ -173,21 +177,19 @@ def price_policies(
         for block in chain.blocks:
             module = block.module
             args = [values[n] for n in block.inputs]
-            recomputing, flops = runs_of(module, save, budget)
+            recomputing, figures = runs_of(module, save, budget)
             runs: dict[str, Callable[..., Any]] = {"none": module, **recomputing}
             shared = [n in read for n in block.inputs]
             read.update(block.inputs)
             kept = {f"kept_{p}{suffix}": _kept(run, args, every_float, shared)
                     for suffix, every_float in (("_later", True), ("", False))
                     for p, run in runs.items()}
-            full_flops, selective_flops = flops()  # the last "selective" call's plan
             first = next((n.name for n in module.graph.nodes
                           if n.name in unit_of and block_key(n) is not None),
                          next(n.name for n in module.graph.nodes if n.name in unit_of))
             unit = graph.nodes[order[unit_of[first]]]
             unit.update(
-                **kept, recompute_flops_full=full_flops,
-                recompute_flops_selective=selective_flops,
+                **kept, **figures(),  # of the last calls: the "" (first stage) ones
                 offload_time=None if bandwidth is None else kept["kept_none"] / bandwidth,
                 shared_reads={**unit.get("shared_reads", {}), **{
                     n: _nbytes(values[n]) for n, s in zip(block.inputs, shared, strict=True)

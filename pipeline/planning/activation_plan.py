@@ -13,14 +13,15 @@ Prices come from the units' measurements (partitioner.activation_cost) summed ov
   (``offload_time`` each way); on a CPU device (no ``offload_time``) it is "none".
 Under a split-backward schedule a recomputing stage's B recomputes and takes the input grads,
 its W the weight grads from what B computed (pipeline.execution.activations.graph: nothing is
-recomputed twice). Peaks count a microbatch's activations from its F to its last backward (B,
-or W under a split backward)."""
+recomputed twice), which B keeps for W (``held_to_w_full`` / ``held_to_w_selective``). Peaks
+count a microbatch's activations from its F to its last backward (B, or W under a split
+backward), and what its B keeps for its W from B to W."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from partitioner import Plan
@@ -38,12 +39,20 @@ class PolicyPrices:
     kept: dict[str, list[float]]
     forward: dict[str, list[float]]
     backward: dict[str, list[float]]
+    # Bytes a split backward's B keeps for its W on top (the recomputing policies').
+    held_to_w: dict[str, list[float]] = field(default_factory=dict)
 
     def scaled(self, factor: float) -> PolicyPrices:
         """For a microbatch `factor` times the measured one (bytes and times linear)."""
         def times(d: dict[str, list[float]]) -> dict[str, list[float]]:
             return {k: [x * factor for x in v] for k, v in d.items()}
-        return PolicyPrices(times(self.kept), times(self.forward), times(self.backward))
+        return PolicyPrices(times(self.kept), times(self.forward), times(self.backward),
+                            times(self.held_to_w))
+
+    def held(self, policies: Sequence[str]) -> list[float]:
+        """Per stage, what its policy's B keeps for its W (0 where not priced)."""
+        return [self.held_to_w[p][s] if p in self.held_to_w else 0.0
+                for s, p in enumerate(policies)]
 
     def at_speed(self, factors: Sequence[float]) -> PolicyPrices:
         """With the recomputing policies' times scaled per stage by `factors` (a stage's
@@ -52,7 +61,8 @@ class PolicyPrices:
         def times(d: dict[str, list[float]]) -> dict[str, list[float]]:
             return {k: [x * f for x, f in zip(v, factors, strict=True)]
                     if k in RECOMPUTING else list(v) for k, v in d.items()}
-        return PolicyPrices(dict(self.kept), times(self.forward), times(self.backward))
+        return PolicyPrices(dict(self.kept), times(self.forward), times(self.backward),
+                            dict(self.held_to_w))
 
 
 def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
@@ -93,27 +103,36 @@ def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
         backward={NONE: list(zero), FULL: [added(s, "added_full") for s in stages],
                   SELECTIVE: [added(s, "added_selective") for s in stages],
                   OFFLOAD: offload},
+        held_to_w={p: [float(sum(nodes[v].get(f"held_to_w_{p}", 0.0) for v in s))
+                       for s in stages] for p in RECOMPUTING},
     )
 
 
-def rank_peak(schedule: Schedule, rank: int, kept: Sequence[float]) -> float:
+def rank_peak(schedule: Schedule, rank: int, kept: Sequence[float],
+              held: Sequence[float] = ()) -> float:
     """The rank's peak held activation bytes: a microbatch's `kept[stage]` from its F to its
-    backward (B, or W under a split backward: the graph a B leaves for its W holds them)."""
-    held = peak = 0.0
-    last = Op.W if schedule.splits_backward else Op.B
+    backward (B, or W under a split backward: the graph a B leaves for its W holds them),
+    and under a split backward `held[stage]` (what its B keeps for its W) from B to W."""
+    held = list(held) or [0.0] * len(kept)
+    now = peak = 0.0
     for a in schedule.actions[rank]:
         if a.op is Op.F:
-            held += kept[a.stage]
-            peak = max(peak, held)
-        elif a.op is last:
-            held -= kept[a.stage]
+            now += kept[a.stage]
+        elif a.op is Op.B and schedule.splits_backward:
+            now += held[a.stage]
+        elif a.op is Op.B:
+            now -= kept[a.stage]
+        elif a.op is Op.W:
+            now -= kept[a.stage] + held[a.stage]
+        peak = max(peak, now)
     return peak
 
 
 def peaks(schedule: Schedule, prices: PolicyPrices, policies: Sequence[str]) -> list[float]:
     """Each rank's peak held activation bytes under `policies` (one name per stage)."""
     kept = [prices.kept[p][s] for s, p in enumerate(policies)]
-    return [rank_peak(schedule, r, kept) for r in range(schedule.num_ranks)]
+    held = prices.held(policies)
+    return [rank_peak(schedule, r, kept, held) for r in range(schedule.num_ranks)]
 
 
 @dataclass(frozen=True)
@@ -140,7 +159,8 @@ def choose(schedule: Schedule, prices: PolicyPrices, fixed: Sequence[float],
             trial = list(policies)
             for s, p in zip(stages, combo, strict=True):
                 trial[s] = p
-            peak = rank_peak(schedule, rank, [prices.kept[p][s] for s, p in enumerate(trial)])
+            peak = rank_peak(schedule, rank, [prices.kept[p][s] for s, p in enumerate(trial)],
+                             prices.held(trial))
             if limit is not None and peak + fixed[rank] > limit:
                 continue
             added = m * sum(prices.forward[p][s] + prices.backward[p][s]

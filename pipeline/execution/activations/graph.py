@@ -352,17 +352,32 @@ def graph_recomputed(
     return GraphRecomputed(forward, runners)
 
 
+def _held_to_w(runner: RecomputeRunner | None) -> float:
+    """Bytes the last graph-level call's input-grad graph keeps for the weight-grad graph (held
+    from B to W under a split backward)."""
+    split = None if runner is None or runner.last is None else runner.last.joint.split
+    if split is None:
+        return 0.0
+    output = next(n for n in split.input_grad.graph.nodes if n.op == "output")
+    return _nbytes([n for n in output.args[0][len(split.inputs):]
+                    if isinstance(n.meta.get("val"), Tensor)])
+
+
 def block_runs(module: fx.GraphModule, save: Sequence[Any], budget: float | None
-               ) -> tuple[dict[str, Callable[..., Any]], Callable[[], tuple[float, float]]]:
+               ) -> tuple[dict[str, Callable[..., Any]], Callable[[], dict[str, float]]]:
     """A block's forward as each recompute policy runs it (for partitioner.activation_cost:
-    the code the runtime runs), and the recompute FLOPs of "full" and "selective" (of the
-    candidate ops, per the plan of the last "selective" call)."""
-    full, _ = graph_runners(module, FULL, nullcontext, False, "priced block")
+    the code the runtime runs), and, from the last calls, the recompute FLOPs of "full" and
+    "selective" (of the candidate ops, per the last "selective" plan) and the bytes each
+    holds from B to W under a split backward."""
+    full, full_runner = graph_runners(module, FULL, nullcontext, False, "priced block")
     selective, runner = graph_runners(module, Selective(tuple(save), budget), nullcontext,
                                       False, "priced block")
 
-    def flops() -> tuple[float, float]:
+    def figures() -> dict[str, float]:
         plan = None if runner is None else runner.plan or runner.fallback.plan
-        return (0.0, 0.0) if plan is None else (plan.full_recompute_flops, plan.recompute_flops)
+        return {"recompute_flops_full": 0.0 if plan is None else plan.full_recompute_flops,
+                "recompute_flops_selective": 0.0 if plan is None else plan.recompute_flops,
+                "held_to_w_full": _held_to_w(full_runner),
+                "held_to_w_selective": _held_to_w(runner)}
 
-    return {"full": full, "selective": selective}, flops
+    return {"full": full, "selective": selective}, figures

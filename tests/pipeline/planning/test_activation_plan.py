@@ -145,3 +145,21 @@ def test_selective_keeps_what_the_planner_predicts() -> None:
     pipe.step(x, y)
     for rank in range(2):
         assert abs(meters[rank].peak - predicted[rank]) <= 0.1 * meters[rank].peak
+
+
+def test_a_split_backward_holds_what_b_keeps_for_w() -> None:
+    """Under ZB-H1 a recomputing stage's B keeps what its W reads (priced per block from the
+    traced split: about a block's "none" bytes), held with its kept bytes until W; under
+    1F1B both go at B."""
+    x, _ = token_batch(0, rows=4)
+    pipe = Pipeline(make_model(), 2, microbatches=2, loss_fn=lm_loss, example_input=x,
+                    checkpoint_activations="auto", memory_limit=1e12)
+    block = pipe.captured.nodes["blocks_1"]
+    assert block["kept_full"] < block["held_to_w_full"] <= 2 * block["kept_none"]
+    assert block["held_to_w_selective"] > 0
+    prices = PolicyPrices(kept={"full": [1.0, 1.0]}, forward={}, backward={},
+                          held_to_w={"full": [10.0, 10.0]})
+    # ZB-H1, rank 1: F0 B0 F1 B1 W0 ...: two microbatches' kept bytes and their B's; rank 0:
+    # F0 F1 B0 W0 ...: two kept, one B's. 1F1B frees both at B.
+    assert peaks(build_schedule("zb-h1", 2, 4), prices, ["full", "full"]) == [12.0, 22.0]
+    assert peaks(build_schedule("1f1b", 2, 4), prices, ["full", "full"]) == [2.0, 1.0]
