@@ -44,6 +44,7 @@ from partitioner.sandbox import sandbox
 from partitioner.saved_bytes import SavedBytes
 
 _TRIALS = 3
+_JOIN_TIMEOUT = 300.0  # seconds one timed block step may take in a pricing thread
 
 
 def _leaves(values: Sequence[Any], every_float: bool = False) -> list[Any]:
@@ -108,19 +109,25 @@ def _step_seconds(run: Callable[..., Any], values: Sequence[Any],
     if threads == 1:
         return _seconds(step, device)
     failed: list[BaseException] = []
+    # torch keeps the intra-op thread count per thread and a new thread starts at every
+    # core: each takes the caller's, as the local executor's rank threads do.
+    intra_op = torch.get_num_threads()
 
     def guarded() -> None:
         try:
+            torch.set_num_threads(intra_op)
             step()
         except BaseException as err:  # noqa: BLE001 - raised in the caller's thread below
             failed.append(err)
 
     def together() -> None:
-        workers = [threading.Thread(target=guarded) for _ in range(threads)]
+        workers = [threading.Thread(target=guarded, daemon=True) for _ in range(threads)]
         for w in workers:
             w.start()
         for w in workers:
-            w.join()
+            w.join(_JOIN_TIMEOUT)
+            if w.is_alive():
+                raise TimeoutError(f"a priced block step ran over {_JOIN_TIMEOUT:g} s")
 
     seconds = _seconds(together, device)
     if failed:
