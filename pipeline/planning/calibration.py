@@ -48,7 +48,8 @@ class Calibration:
     `overhead` seconds per action and `latency` seconds per cross-rank input, from `steps`
     traces (across steps: the median of each); `spread`: every measured action's time over
     its step's mean for its stage and op (for `pipeline.planning.costs.predict`); `per_step`: the
-    calibration of each step alone (empty on a one-step calibration: it is its own)."""
+    calibration of each step alone (empty on a one-step calibration: it is its own); `scale`:
+    the measured step over the one its own figures simulate (across steps: the median)."""
 
     forward: list[float]
     backward: list[float]
@@ -59,6 +60,7 @@ class Calibration:
     splits_backward: bool
     spread: tuple[float, ...] = ()
     per_step: tuple[Calibration, ...] = ()
+    scale: float = 1.0  # measured step over the step these figures simulate (see `_scale`)
 
     @property
     def step_calibrations(self) -> tuple[Calibration, ...]:
@@ -122,7 +124,7 @@ def _one_step(schedule: Schedule, trace: Timeline) -> Calibration:
             gaps.append((e.start - prev.end, max(remote) - prev.end if remote else None))
     overhead, latency = _fit_gaps(gaps)
     per = {key: _mean(v) for key, v in durations.items()}
-    return Calibration(
+    step = Calibration(
         forward=[per.get((s, Op.F), 0.0) for s in range(n)],
         backward=[per.get((s, Op.B), 0.0) for s in range(n)],
         weight=[per.get((s, Op.W), 0.0) for s in range(n)],
@@ -132,6 +134,25 @@ def _one_step(schedule: Schedule, trace: Timeline) -> Calibration:
         splits_backward=schedule.splits_backward,
         spread=tuple(d / per[key] for key, ds in durations.items() if per[key] > 0 for d in ds),
     )
+    return replace(step, scale=_scale(schedule, step, trace.step_time))
+
+
+def _scale(schedule: Schedule, step: Calibration, measured: float) -> float:
+    """`measured` over the step `step`'s own figures simulate for the schedule they were
+    measured on (as `predict_calibrated` replays them). The simulator gives each rank a core
+    of its own and draws the actions' variations independently; where ranks share fewer
+    cores (rank threads of one process on a small CPU) or vary together, its steps come out
+    longer or shorter than the measured ones by a like factor for every configuration
+    (+7% to +19% at 4 ranks on 2 cores, benchmarks/bench_activations.py), which this
+    measures and `predict_calibrated` applies."""
+    n = schedule.num_stages
+    costs = StageCosts(forward=list(step.forward), input_grad=list(step.backward),
+                       weight_grad=list(step.weight), activation_bytes=[0.0] * n,
+                       param_bytes=[0.0] * n)
+    runs = replay(schedule, costs, overhead=step.overhead, latency=step.latency,
+                  spread=step.spread)
+    simulated = runs[len(runs) // 2].step_time
+    return measured / simulated if simulated > 0 and measured > 0 else 1.0
 
 
 def calibrate(schedule: Schedule, traces: Sequence[Timeline]) -> Calibration:
@@ -158,6 +179,7 @@ def calibrate(schedule: Schedule, traces: Sequence[Timeline]) -> Calibration:
         splits_backward=schedule.splits_backward,
         spread=tuple(r for c in steps for r in c.spread),
         per_step=tuple(steps),
+        scale=median([c.scale for c in steps]),
     )
 
 
@@ -171,10 +193,11 @@ def predict_calibrated(
     (`Calibration.step_calibrations`): every step's replays (`pipeline.planning.costs.replay`, with
     its overhead, latency unless `latency` is given, and spread; `costs(step)` gives its stage
     costs, usually ``calibrated_costs(step, profiled)``) pooled, and the median of them, so an
-    even number of steps needs no tie-break."""
+    even number of steps needs no tie-break. Each step's replays are scaled by its `scale`
+    (the measured step over the one its figures simulate for the schedule it ran)."""
     predicted = sorted(
         (
-            timeline
+            _scaled(timeline, step.scale)
             for step in calibration.step_calibrations
             for timeline in replay(
                 schedule, costs(step), overhead=step.overhead, spread=step.spread,
@@ -184,6 +207,15 @@ def predict_calibrated(
         key=lambda t: t.step_time,
     )
     return predicted[len(predicted) // 2]
+
+
+def _scaled(timeline: Timeline, factor: float) -> Timeline:
+    if factor == 1.0:
+        return timeline
+    events = tuple(replace(e, start=e.start * factor, end=e.end * factor)
+                   for e in timeline.events)
+    return Timeline(events, timeline.num_ranks, timeline.splits_backward, timeline.name,
+                    timeline.activation, timeline.activation_unit)
 
 
 def calibrated_costs(calibration: Calibration, profiled: StageCosts) -> StageCosts:

@@ -89,6 +89,31 @@ def test_prediction_is_the_median_step_not_the_step_of_median_figures() -> None:
     assert forced.step_time == pytest.approx(steps[0])
 
 
+def test_calibration_scales_the_simulated_step_to_the_measured_one() -> None:
+    """Ranks that share cores run one after the other: the measured step is longer than its
+    own figures simulate (each rank a core of its own). The calibration measures that factor
+    and every prediction from it carries it, of the schedule it ran and of another."""
+    schedule = build_schedule("1f1b", 2, 4)
+    trace = measured_like("1f1b", [3.0, 5.0], o=0.0, latency=0.1)
+    late = tuple(dataclasses.replace(e, start=e.start + 40.0, end=e.end + 40.0)
+                 if e.rank == 1 else e for e in trace.events)  # rank 1 waited for a core
+    shared = Timeline(late, trace.num_ranks, trace.splits_backward, trace.name)
+    cal = calibrate(schedule, [shared])
+    graph = capture(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), (torch.randn(1, 2),))
+    for v in graph.order:
+        graph.nodes[v].update(forward_time=1.0, backward_time=2.0)
+    profiled = stage_costs(graph, partition(graph, 2, "uniform"))
+    costs = calibrated_costs(cal, profiled)
+    simulated = predict(schedule, costs, latency=cal.latency, overhead=cal.overhead)
+    assert cal.scale > 1.05 and simulated.step_time < shared.step_time / 1.05
+    predicted = predict_calibrated(schedule, cal, lambda c: calibrated_costs(c, profiled))
+    assert predicted.step_time == pytest.approx(shared.step_time)
+    other = build_schedule("gpipe", 2, 4)
+    unscaled = predict(other, costs, latency=cal.latency, overhead=cal.overhead)
+    scaled = predict_calibrated(other, cal, lambda c: calibrated_costs(c, profiled))
+    assert scaled.step_time == pytest.approx(unscaled.step_time * cal.scale)
+
+
 def test_rebalance_proposal_follows_the_measured_costs() -> None:
     model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
     graph = capture(model, (torch.randn(1, 2),))
