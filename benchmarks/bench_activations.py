@@ -252,7 +252,11 @@ def _report(results: list[dict[str, Any]]) -> str:
         "\"none\" steps plus the policy's priced cost (the planner's view before running it; "
         "recomputation at the stage's measured speed); paired: the median over rounds of the "
         "error of that prediction from the round's own \"none\" step against the round's "
-        "step of the policy (the machine's drift between rounds cancels).",
+        "step of the policy (the machine's drift between rounds cancels). A calibration "
+        "scales the simulated step by the measured step over the one its own figures "
+        "simulate (`Calibration.scale`: 4 rank threads share 2 cores here, the simulator "
+        "gives each a core), so the paired \"none\" is exact by construction and the paired "
+        "column of a policy is the error of its price alone.",
         "",
     ]
     for res in results:
