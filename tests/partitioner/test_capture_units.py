@@ -281,6 +281,7 @@ def test_outputs_whose_rows_interact_are_named() -> None:
         merge_microbatches(parts)
 
 
+@pytest.mark.slow
 def test_recapture_errors_name_dynamic_dims() -> None:
     """An explicit balance that no longer fits the re-captured units, and a process that holds
     only its stages (torch.distributed), cannot capture again: both errors name the fix."""

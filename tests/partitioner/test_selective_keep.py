@@ -58,6 +58,7 @@ def test_a_transformer_block_keeps_what_its_plan_says(budget: float | None) -> N
         torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
 
 
+@pytest.mark.slow
 def test_llama_layers_keep_at_most_half_of_none() -> None:
     """The planner's prices (measured with the rule, as the runtime runs it) per layer."""
     spec = real_models.SPECS["llama"]

@@ -113,6 +113,7 @@ def test_simulate_compare_writes_pictures_traces_and_summary(
     }
 
 
+@pytest.mark.slow
 def test_virtual_stages_share_a_ranks_cost(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

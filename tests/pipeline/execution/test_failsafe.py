@@ -121,6 +121,7 @@ def _reference_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict
     return {k: p.grad for k, p in ref.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("at", [2, 4], ids=["peer-waits", "no-peer-waits"])
 def test_stuck_stage_times_out_and_its_worker_never_writes_grads(at: int) -> None:

@@ -171,6 +171,7 @@ def test_real_models_evaluate_as_their_eval_after_training(build: Any) -> None:
     torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_stages_switch_modes_too() -> None:
     model = bn_model()
     ref = copy.deepcopy(model)

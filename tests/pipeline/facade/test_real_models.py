@@ -97,6 +97,7 @@ def test_capture_turns_off_every_cache_and_restores_it() -> None:
     assert not model.encoder.config.use_cache  # T5 builds its encoder with the cache off
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "recompute"),
                          [("1f1b", False), ("1f1b", True), ("zb-h1", True)])
 def test_batchnorm_matches_the_microbatched_run(schedule: str, recompute: bool) -> None:

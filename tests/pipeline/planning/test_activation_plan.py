@@ -112,6 +112,7 @@ def test_prices_of_a_transformer_block() -> None:
     assert prices is not None and prices.kept["offload"] == prices.kept["none"]  # on CPU
 
 
+@pytest.mark.slow
 def test_auto_joins_the_auto_plan_search() -> None:
     x, y = token_batch(0, rows=8)
     model = make_model()

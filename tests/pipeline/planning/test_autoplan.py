@@ -20,6 +20,7 @@ from scheduler.simulate import summarize
 from tests.support.graphs import synthetic_graph
 
 
+@pytest.mark.slow
 def test_candidates_are_ranked_predictions_within_the_cap() -> None:
     graph = synthetic_graph()
     free = search(graph, world_size=4, batch_size=32, profiled_batch=4, keep=1000)
