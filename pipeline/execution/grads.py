@@ -1,7 +1,7 @@
 """Gradient writes of a pipeline step: a stage's step-private parameter leaves (`StepLeaves`),
 committing their grads into the parameters (`accumulate_grads`), applying stage 0's input grads to
 the caller's inputs (`apply_input_grads`), and the running statistics a recomputed forward must
-put back (`running_statistics`, `Restored`).
+put back (`running_statistics`; pipeline.execution.activations.recompute puts them back).
 
 Step-private leaves: for a training step each trainable parameter of a stage is swapped, in
 its module, for a leaf of the step's own (``p.detach().requires_grad_()``, same storage), so
@@ -92,24 +92,6 @@ def running_statistics(model: nn.Module) -> set[str]:
             names.update(f"{path}.{name}" if path else name
                          for name, _ in module.named_buffers(recurse=False))
     return names
-
-
-class Restored:
-    """Puts `buffers` back as they were when the block ends. Re-enterable: a split backward
-    recomputes a checkpointed forward once per backward call (B, then W)."""
-
-    def __init__(self, buffers: Sequence[Tensor]) -> None:
-        self.buffers = list(buffers)
-        self.saved: list[Tensor] = []
-
-    def __enter__(self) -> None:
-        self.saved = [b.detach().clone() for b in self.buffers]
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for b, value in zip(self.buffers, self.saved, strict=True):
-                b.copy_(value)
-        self.saved = []
 
 
 Slot: TypeAlias = tuple[nn.Module, str, Tensor]  # (owning module, attribute name, parameter)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -39,10 +39,9 @@ from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
 from partitioner.saved_bytes import SavedBytes
-from pipeline.execution.activations.recompute import Recomputed
+from pipeline.execution.activations.recompute import Recomputed, UpdatedBuffers
 from pipeline.execution.cancel import CancelToken, PipelineAborted
 from pipeline.execution.grads import (
-    Restored,
     StepLeaves,
     accumulate_grads,
     is_float,
@@ -312,11 +311,11 @@ class RankRuntime:
         else:
             self._mail[step.writes] = outputs
 
-    def _recomputing(self, module: nn.Module) -> AbstractContextManager[None]:
-        """Around the recomputation of a checkpointed forward: the running statistics it
-        updates again are put back, so they are updated once per microbatch, as without
-        activation checkpointing."""
-        return Restored([b for name, b in module.named_buffers() if name in self.statistics])
+    def _recomputing(self, module: nn.Module) -> UpdatedBuffers:
+        """For one checkpointed block of `module`: the buffers its recomputation must see as
+        its forward did and put back after, so each is updated once per microbatch, as without
+        activation checkpointing (the running statistics, and what the block updates)."""
+        return UpdatedBuffers(module, self.statistics)
 
     def _commit(self, stage: int) -> None:
         """Commit `stage`'s leaf grads into its parameters' `.grad` (the only gradient write

@@ -12,7 +12,6 @@ None of the steps knows about the others."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from torch import fx, nn
 
 from pipeline.execution.activations.graph import graph_recomputed
 from pipeline.execution.activations.offload import offloaded
-from pipeline.execution.activations.recompute import recomputed
+from pipeline.execution.activations.recompute import Restoring, recomputed
 from pipeline.execution.compiled.runner import RegionRunner
 from pipeline.execution.precision import Precision
 from pipeline.planning.activation_policies import OFFLOAD, Policy, recomputes
@@ -32,11 +31,11 @@ def stage_run(
     device: torch.device,
     precision: Precision,
     policy: Policy,
-    restoring: Callable[[], AbstractContextManager[Any]],
+    restoring: Restoring,
     splits: bool = False,
 ) -> Callable[..., Any]:
-    """How the runtime calls `module` in a training forward. `restoring()`: the context a
-    recomputation runs in (pipeline.execution.runtime puts running statistics back).
+    """How the runtime calls `module` in a training forward. `restoring()`: one checkpointed
+    block's `UpdatedBuffers` (the buffers its recomputation must see as its forward did).
     `splits`: the schedule splits the backward into B and W."""
 
     def with_precision(m: nn.Module) -> Callable[..., Any]:

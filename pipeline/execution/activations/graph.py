@@ -18,12 +18,11 @@ mode per op, so rank threads sharing the GIL wait on each other far less than un
 graph in B and the weight-grad graph in W (`split_backward`): W starts from what B computed
 and never recomputes.
 
-A region that cannot be traced (a BatchNorm's running statistics, data-dependent control flow,
-a non-tensor value crossing it) or that calls a module of the user's whole (``leaf_modules=``:
-its Python, side effects included, runs as written) runs under ``torch.utils.checkpoint``
-instead
-(pipeline.execution.activations.recompute; a debug log line says so): same results, the
-checkpoint's speed."""
+A region that cannot be traced (a BatchNorm's running statistics or any buffer updated in
+place, data-dependent control flow, a non-tensor value crossing it) or that calls a module of
+the user's whole (``leaf_modules=``: its Python, side effects included, runs as written) runs
+under ``torch.utils.checkpoint`` instead (pipeline.execution.activations.recompute; a debug
+log line says so): same results, the checkpoint's speed."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ import logging
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +39,12 @@ from torch import Tensor, fx, nn
 
 from partitioner.blocks import BlockChain
 from partitioner.selective_keep import Candidate, KeepPlan, choose, keep_plan, op_flops
-from pipeline.execution.activations.recompute import Checkpointed, Recomputed
+from pipeline.execution.activations.recompute import (
+    Checkpointed,
+    Recomputed,
+    Restoring,
+    UpdatedBuffers,
+)
 from pipeline.execution.compiled.joint import Partition
 from pipeline.execution.compiled.options import CompileOptions
 from pipeline.execution.compiled.regions import Region, outline, regions_of
@@ -200,7 +203,7 @@ class RecomputeRunner(RegionRunner):
     `checkpointed_calls` count the training calls of each path."""
 
     def __init__(self, region: Region, owner: nn.Module, policy: Policy,
-                 restoring: Callable[[], AbstractContextManager[Any]], stats: CompileStats,
+                 restoring: Restoring, stats: CompileStats,
                  where: str, splits: bool) -> None:
         super().__init__(region, owner, _AsTraced(policy=_policy_key(policy)), stats, where,
                          splits, quiet=True)
@@ -297,7 +300,7 @@ def _sizes_read(module: fx.GraphModule) -> fx.GraphModule:
 
 
 def graph_runners(block: fx.GraphModule, policy: Policy,
-                  restoring: Callable[[], AbstractContextManager[Any]], splits: bool,
+                  restoring: Restoring, splits: bool,
                   where: str) -> tuple[fx.GraphModule, RecomputeRunner | None]:
     """One block of a stage (partitioner.blocks: it reads its attributes through the stage)
     as a driver graph running it as one region, graph-level recomputed, and its runner
@@ -329,7 +332,7 @@ def graph_recomputed(
     stage: fx.GraphModule,
     policy: Policy,
     wrap: Callable[[nn.Module], Callable[..., Any]],
-    restoring: Callable[[], AbstractContextManager[Any]],
+    restoring: Restoring,
     splits: bool,
     where: str = "stage",
 ) -> GraphRecomputed:
@@ -369,8 +372,11 @@ def block_runs(module: fx.GraphModule, save: Sequence[Any], budget: float | None
     the code the runtime runs), and, from the last calls, the recompute FLOPs of "full" and
     "selective" (of the candidate ops, per the last "selective" plan) and the bytes each
     holds from B to W under a split backward."""
-    full, full_runner = graph_runners(module, FULL, nullcontext, False, "priced block")
-    selective, runner = graph_runners(module, Selective(tuple(save), budget), nullcontext,
+    def untracked() -> UpdatedBuffers:  # priced in a sandbox, which puts the buffers back
+        return UpdatedBuffers(None)
+
+    full, full_runner = graph_runners(module, FULL, untracked, False, "priced block")
+    selective, runner = graph_runners(module, Selective(tuple(save), budget), untracked,
                                       False, "priced block")
 
     def figures() -> dict[str, float]:
