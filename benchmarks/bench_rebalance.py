@@ -131,7 +131,7 @@ def _case(slow_rank: int | None, start: str) -> dict[str, Any]:
     for _ in range(ROUNDS):
         for run in runs.values():
             run.step(x, y, measured=True)
-    move = job.pipe._measured.replan.last_move  # noqa: SLF001 - the move's own figures
+    move = job.pipe._executor.last_move  # noqa: SLF001 - the move's own figures
     moved = torch.tensor([0.0 if move is None else move.bytes_received])
     dist.all_reduce(moved)
     return {

@@ -20,7 +20,7 @@ import copy
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -125,9 +125,11 @@ class _Profiler(fx.Interpreter):
     def __init__(
         self, gm: fx.GraphModule, clock: _Clock, repeats: int, warmup: int, progress: Progress,
         box: Sandbox, runner: Callable[[nn.Module], nn.Module] | None = None,
+        only: tuple[Captured, set[str], torch.device] | None = None,
     ) -> None:
         super().__init__(gm)
         self.runner = runner
+        self.only = only  # (the capture, the units to measure, where), when not all of them
         self.clock = clock
         self.box = box
         self.repeats = repeats
@@ -153,6 +155,8 @@ class _Profiler(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
             return super().run_node(n)
+        if self.only is not None and n.name not in self.only[1]:
+            return self._unmeasured(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         run = getattr(self, n.op)
         with torch.no_grad():
@@ -169,6 +173,30 @@ class _Profiler(fx.Interpreter):
         self.done += 1
         self.progress(self.done, self.total, n.name)
         return result
+
+    def _unmeasured(self, n: fx.Node) -> Any:
+        """A unit not measured here: run (untimed) when it holds its tensors, else zeros for
+        the values it hands on, shaped as at capture (its tensors are another process's)."""
+        unit = self.fetch_attr(str(n.target))
+        if all(t.numel() for t in (*unit.parameters(), *unit.buffers())):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            with torch.no_grad():
+                return getattr(self, n.op)(n.target, args, kwargs)
+        assert self.only is not None
+        captured, _, device = self.only
+        out = next(node for node in unit.graph.nodes if node.op == "output")
+        values = []
+        for node in out.args[0]:
+            value = captured.values.get(node.name)
+            if value is None or not value.tensor or value.shape is None:
+                raise ValueError(
+                    f"unit {n.name!r} hands on {node.name!r}, which is not one tensor "
+                    f"({value}), and its weights are not here: its successors cannot be "
+                    "measured apart from it; profile the whole model (balance='profile')"
+                )
+            dtype = getattr(torch, value.dtype.removeprefix("torch."))
+            values.append(torch.zeros(value.shape, dtype=dtype, device=device))
+        return tuple(values)
 
     def _timed(self, n: fx.Node, run: Any) -> Any:
         """What runs the node when it is measured: `run`, or the runner's form of a unit."""
@@ -243,6 +271,7 @@ def profile(
     warmup: int = 1,
     progress: Progress | None = None,
     runner: Callable[[nn.Module], nn.Module] | None = None,
+    units: Collection[str] | None = None,
 ) -> None:
     """Add forward_time, backward_time (s), input_grad_time + weight_grad_time (= backward_time;
     see the module docstring) and activation_bytes to every node of a `capture`d graph.
@@ -254,7 +283,12 @@ def profile(
     `runner(unit)`: what runs a unit when it is measured, e.g. its compiled form (over the
     same parameters), so the costs are those of the code the steps will run. Such a unit's
     forward is timed as a training step runs it (recording for its backward: a compiled
-    forward that only infers is other code), after its warm-up runs (which compile it)."""
+    forward that only infers is other code), after its warm-up runs (which compile it).
+
+    `units`: measure only these (the ones a process holds once the model is split): every
+    other unit runs untimed, or, when its tensors were freed (another process holds them),
+    gives zeros shaped as its values were at capture (`Captured.values`); so pass the inputs
+    the model was captured on. Only the measured units' attributes are written."""
     if repeats < 1 or warmup < 0:
         raise ValueError(
             f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
@@ -277,7 +311,8 @@ def profile(
                 lambda t: t.to(target) if isinstance(t, torch.Tensor) else t, example_inputs
             )
         profiler = _Profiler(
-            gm, _Clock(target), repeats, warmup, progress or _stderr_progress(), box, runner
+            gm, _Clock(target), repeats, warmup, progress or _stderr_progress(), box, runner,
+            None if units is None else (captured, set(units), target),
         )
         profiler.run(*example_inputs)
     for name, stats in profiler.results.items():

@@ -369,10 +369,7 @@ class Pipeline:
         plain optimizer instead is an error at its first step where it would be silently
         wrong ("full", built before the plan) and a warning where it would keep the whole
         state ("optimizer"). Checkpoints take it and load across modes and layouts."""
-        made = self._executor.make_optimizer(list(self.parameters()), optimizer_class, **kwargs)
-        if self._measured.replan is not None:  # a re-balance carries its state
-            self._measured.replan.optimizers.offer(made)
-        return made
+        return self._executor.make_optimizer(list(self.parameters()), optimizer_class, **kwargs)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -506,7 +503,8 @@ class Pipeline:
     def profiled_costs(self) -> StageCosts:
         """Per-stage profiled seconds for one microbatch (profiling now, on one microbatch of
         the first batch, if the plan was not balanced by profile). Under torch.distributed the
-        costs are those global rank 0 measured before the model was split."""
+        costs are those global rank 0 measured before the model was split, or, without them,
+        measured now by each process on the units it holds (every process calls it then)."""
         return self._measured.profiled_costs()
 
     def simulate(

@@ -7,8 +7,9 @@ on its devices (`load`) and runs steps; the local one with one thread per pipeli
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
-from partitioner import StageModule
+from partitioner import Captured, StageModule
 from partitioner.saved_bytes import SavedBytes
 from pipeline.execution.compiled import (
     CompileOptions,
@@ -34,7 +35,12 @@ from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
 from pipeline.planning.microbatch import Microbatches, batch_size, merge_microbatches
+from pipeline.planning.planner import measure
+from pipeline.planning.replan import median_stage_times
 from scheduler import Schedule
+
+UNIT_COSTS = ("forward_time", "backward_time", "input_grad_time", "weight_grad_time",
+              "activation_bytes")  # what profiling gives each unit
 
 if TYPE_CHECKING:
     from pipeline.execution.distributed.context import DistContext
@@ -53,7 +59,8 @@ class Executor(ABC):
     shard: str | None = None
 
     def __init__(self) -> None:
-        self.planned: Decision | None = None
+        self.planned: Decision | None = None  # the running decision (`load`, then `adopt`)
+        self.checkpoint_activations: object = False  # the setting `load` was given
         self.loss_fn: LossFn | None = None
         self.activations: tuple[Policy, ...] = ()  # each stage's policy, once loaded
         self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
@@ -101,9 +108,64 @@ class Executor(ABC):
         self.activations = stage_policies(
             checkpoint_activations, planned.schedule.num_stages, planned.plan.activations
         )
+        self.checkpoint_activations = checkpoint_activations
         self.planned = planned
         self.loss_fn = loss_fn
         self.reload()
+
+    def adopt(self, decision: Decision) -> None:
+        """Run `decision` from the next call on: after `load`, the one place the running
+        decision changes (a re-plan, costs profiled later, a capture kept). With the same
+        stages and schedule it is taken as it is; otherwise the stages are placed anew for it,
+        the units that change hands moving to their new holders first (`_relocate`)."""
+        old = self.planned
+        if old is None:
+            raise RuntimeError("the executor has no plan yet; call load first")
+        if decision.modules is old.modules and decision.schedule is old.schedule:
+            self.planned = decision
+            return
+        self._relocate(old, decision, lambda: self.load(
+            decision, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations))
+
+    def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
+        """Move what `new` places elsewhere than `old`, then `rebuild` for `new`; here every
+        stage is in this process, so nothing moves."""
+        rebuild()
+
+    measures_rank_speeds = False
+    """Whether each pipeline rank runs on a device of its own whose speed a re-plan measures
+    (pipeline.planning.replan: a stage's deviation from its profile is its rank's, not its
+    units'); in one process the ranks run alike."""
+
+    def maximum(self, values: Tensor) -> Tensor:
+        """The elementwise maximum of `values` over every process of the job (float64, on
+        the CPU); here there is one process."""
+        return values.to("cpu", torch.float64)
+
+    def stage_times(self, steps: Sequence[list[list[float]]]) -> list[list[float]]:
+        """[op][stage] measured seconds of every stage (F, B, W): the median over `steps` of
+        the means of the stages each process ran (`own_stage_means`), the slowest replica's."""
+        return self.maximum(torch.tensor(median_stage_times(steps))).tolist()
+
+    def measure_units(self, decision: Decision) -> Captured:
+        """A copy of `decision`'s captured model with every unit's profiled costs, each unit
+        measured by the processes that hold it (a process may have freed the others' tensors):
+        this process times its held stages' units (partitioner.profile; on the inputs the
+        model was captured on, the other units giving zeros of their captured shapes) and the
+        figures are gathered (`maximum`: the slowest replica's). Every process calls it."""
+        units = decision.captured.copy()
+        held = {v for s in self.held() for v in decision.plan.stages[s]}
+        whole = held == set(units.order)
+        runner = None if self.compile is None else functools.partial(
+            self.profiled_unit, splits=decision.schedule.splits_backward)
+        measure(units, decision.model, decision.example if whole else decision.capture.rows,
+                self.coordination.device, runner, units=None if whole else held)
+        table = self.maximum(torch.tensor(
+            [[float(units.nodes[v].get(k, 0.0)) if v in held else 0.0 for k in UNIT_COSTS]
+             for v in units.order], dtype=torch.float64))
+        for v, row in zip(units.order, table.tolist(), strict=True):
+            units.nodes[v].update(zip(UNIT_COSTS, row, strict=True))
+        return units
 
     def setting_up(self) -> AbstractContextManager[None]:
         """The context planning and `load` run in (the distributed failure protocol)."""

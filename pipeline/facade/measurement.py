@@ -1,15 +1,14 @@
 """The measured steps of a Pipeline: their traces, the calibration made from them,
-the predicted step (simulate), re-partitioning from measured costs (rebalance) and, for
-schedule="auto", a schedule synthesised from measured costs (resynthesize)."""
+the predicted step (simulate), and the re-plans from measured costs (rebalance: a new
+partition; for schedule="auto", resynthesize: a new schedule), each a planning phase
+(`Planner.replan`) whose decision the executor adopts (`Executor.adopt`)."""
 
 from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import replace
 
-from pipeline.execution.distributed.executor import DistributedExecutor
-from pipeline.execution.distributed.shard import Sharding
-from pipeline.facade.replan import DistributedReplan, repartitioned
 from pipeline.facade.setup import Setup
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
@@ -19,11 +18,10 @@ from pipeline.planning.calibration import (
     calibrated_costs,
     measured_node_costs,
     predict_calibrated,
-    propose_rebalance,
 )
 from pipeline.planning.costs import StageCosts, costs_for_stages, predict
-from pipeline.planning.decision import Decision
-from pipeline.planning.synthesis import Resynthesis, propose_schedule, running_limits
+from pipeline.planning.replan import Measured, Reason, own_stage_means
+from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule, Timeline, build_schedule
 
 log = logging.getLogger("hybridpipe")
@@ -31,9 +29,9 @@ log = logging.getLogger("hybridpipe")
 
 class MeasuredSteps:
     """Step traces of one Pipeline (`setup` gives its plan and executor) and what is computed
-    from them; `auto_rebalance`: re-balance once when two traces are in. With
-    schedule="auto", in one process, a schedule is synthesised once from two traces of the
-    running one (after any re-balance), up to `SYNTH_MAX_CELLS` stages x microbatches."""
+    from them; `auto_rebalance`: re-balance once when two measured steps are in. With
+    schedule="auto" a schedule is synthesised once from two measured steps of the running one
+    (after any re-balance), up to `SYNTH_MAX_CELLS` stages x microbatches."""
 
     def __init__(self, setup: Setup, stages: int, auto_rebalance: bool) -> None:
         self.setup = setup
@@ -42,38 +40,31 @@ class MeasuredSteps:
         self.trace: Timeline | None = None
         # Measured traces for calibration: the last few steps after the first (warm-up) one.
         self.measured: collections.deque[Timeline] = collections.deque(maxlen=4)
+        # Per measured step, [op][stage] mean seconds of the stages this process ran.
+        self.stage_times: collections.deque[list[list[float]]] = collections.deque(maxlen=4)
         self.steps = 0
         self.rebalanced: Rebalance | None = None
         self.resynthesized: Resynthesis | None = None
-        ctx = setup.executor.context
-        self.replan = None if ctx is None else DistributedReplan(ctx, self._owned)
-        if self.replan is not None and auto_rebalance:
-            setup.planner.profile_units = True  # rank 0 profiles before the model is split
-
-    def _owned(self) -> set[int]:
-        return {id(p) for m in self.setup.executor.held().values() for p in m.parameters()}
 
     def record(self, trace: Timeline) -> None:
-        """Keep a complete step trace for calibration (not the first, warm-up step's), and
-        re-balance once when asked to and two traces are in."""
+        """Keep a step's measured figures (not the first, warm-up step's), and re-plan once
+        when asked to and two measured steps are in."""
         self.trace = trace
         self.steps += 1
         schedule = self.setup.schedule
         ops = 3 if schedule.splits_backward else 2
         complete = len(trace.events) == ops * schedule.num_stages * schedule.num_microbatches
-        if self.steps > 1 and complete:
-            self.measured.append(trace)
-        if self.steps > 1 and self.replan is not None:
-            self.replan.record(trace, set(self.setup.executor.held()), schedule.num_stages)
-        if self.auto_rebalance and self.rebalanced is None and self._ready():
+        if self.steps > 1:
+            if complete:
+                self.measured.append(trace)
+            held = set(self.setup.executor.held())
+            self.stage_times.append(own_stage_means(trace, held, schedule.num_stages))
+        if self.auto_rebalance and self.rebalanced is None and len(self.stage_times) >= 2:
             self.rebalance()
-        if (self.setup.planner.auto_schedule and self.resynthesized is None and self._ready()
+        if (self.setup.planner.auto_schedule and self.resynthesized is None
+                and len(self.stage_times) >= 2
                 and schedule.num_stages * schedule.num_microbatches <= SYNTH_MAX_CELLS):
             self.resynthesize()
-
-    def _ready(self) -> bool:
-        """Two measured steps of the running plan are in (every stage's, under torchrun)."""
-        return len(self.measured if self.replan is None else self.replan.stage_times) >= 2
 
     @property
     def calibration(self) -> Calibration | None:
@@ -99,12 +90,13 @@ class MeasuredSteps:
         planned = self.setup.decision
         captured = planned.captured if planned is not None else None
         if target.num_stages != profiled.num_stages and (
-            not self.setup.executor.coordination.keeps_whole_model or captured is None
+            captured is None or not captured.profiled
         ):
             raise ValueError(
                 f"schedule {target.name!r} has {target.num_stages} stages and this plan "
-                f"{profiled.num_stages}; under torch.distributed only the plan's stage count "
-                "can be simulated"
+                f"{profiled.num_stages}; another stage count re-partitions the units' profiled "
+                "costs, which this process lacks (under torch.distributed the plan's stage "
+                "count can be simulated, and another one where the units were profiled)"
             )
         balance = self.setup.planner.balance
         balance = balance if isinstance(balance, str) else "profile"
@@ -121,104 +113,49 @@ class MeasuredSteps:
             return predict(target, costs_of(None), latency=comm or 0.0)
         return predict_calibrated(target, calibration, costs_of, latency=comm)
 
-    def _measured_in_one_process(self, what: str, why: str) -> Calibration:
-        """The calibration `what` (a re-plan from measured costs) starts from; it needs
-        measured steps and every stage in this process (`why` says what stops it otherwise)."""
-        calibration = self.calibration
-        if calibration is None:
+    def _measurement(self, what: str) -> Measured:
+        """What a re-plan starts from (every process gathers it): every stage's measured times
+        (the slowest replica's) with the calibration's overhead and latency, and every unit's
+        profiled costs: profiled up front on one device (then, where each pipeline rank runs
+        on a device of its own, a stage's deviation is its rank's speed), or measured now by
+        the processes holding them (each unit's cost is then its rank's already)."""
+        if not self.stage_times:
             raise ValueError(f"{what} needs measured steps: run at least two steps first")
-        if not self.setup.executor.coordination.keeps_whole_model:
-            raise ValueError(f"{what} works in one process: under torch.distributed {why}")
-        return calibration
+        on_one_device = self.setup.require_plan().costs is not None
+        self.profiled_costs()
+        decision = self.setup.require_plan()
+        times = self.setup.executor.stage_times(list(self.stage_times))
+        base = self.calibration or Calibration(
+            [], [], [], 0.0, 0.0, 1, decision.schedule.splits_backward)
+        calibration = replace(base, forward=times[0], backward=times[1], weight=times[2],
+                              per_step=())
+        return Measured(calibration, decision.captured,
+                        on_one_device and self.setup.executor.measures_rank_speeds)
 
-    def _adopt(self, new: Decision) -> None:
-        """Run `new` from the next step on; the old traces describe the old plan."""
-        self.setup.adopt(new)
-        self.measured.clear()
-        if self.replan is not None:
-            self.replan.stage_times.clear()
+    def _replan(self, reason: Reason, threshold: float) -> Rebalance | Resynthesis:
+        """A re-plan for `reason` (`Planner.replan`), adopted by the executor when applied;
+        every process calls it at the same step. The old traces describe the old plan."""
+        setup = self.setup
+        measured = self._measurement(reason)
+        new = setup.planner.replan(setup.require_plan(), measured, reason,
+                                   setup.executor.coordination, threshold)
+        report = new.replanned
+        assert report is not None  # a re-plan's decision carries its report
+        if report.applied:
+            setup.adopt(new)
+            self.measured.clear()
+            self.stage_times.clear()
+        log.info("hybridpipe: %s", report)
+        return report
 
     def rebalance(self, threshold: float = 0.05) -> Rebalance:
-        if self.replan is not None:
-            return self._rebalance_distributed(self.replan, threshold)
-        calibration = self._measured_in_one_process(
-            "rebalance",
-            "each process holds only its stages' weights; pass balance=[...] with the sizes "
-            "it reports instead",
-        )
-        setup = self.setup
-        planned = setup.require_plan()
-        report, plan = propose_rebalance(
-            planned.captured, planned.plan, planned.schedule, calibration, self.profiled_costs(),
-            threshold,
-        )
-        if report.applied:
-            self._adopt(planned.repartitioned(plan))
+        report = self._replan("rebalance", threshold)
+        assert isinstance(report, Rebalance)
         self.rebalanced = report
-        log.info("hybridpipe: %s", report)
-        return report
-
-    def _check_distributed(self, what: str, replan: DistributedReplan) -> None:
-        """What a distributed re-plan needs, checked alike on every process before any
-        tensor moves: the units' profiled costs on rank 0 and two measured steps."""
-        planner = self.setup.planner
-        if not (planner.balance == "profile" or planner.auto or planner.auto_activations
-                or planner.profile_units):
-            raise ValueError(
-                f"{what} under torch.distributed needs the units' profiled costs, which global "
-                f"rank 0 takes before the model is split; balance={planner.balance!r} skips "
-                "them: build the Pipeline with rebalance=True or balance='profile'"
-            )
-        if len(replan.stage_times) < 2:
-            raise ValueError(f"{what} needs measured steps: run at least three steps first")
-
-    def _sharding(self) -> Sharding | None:
-        executor = self.setup.executor
-        return executor.sharding if isinstance(executor, DistributedExecutor) else None
-
-    def _rebalance_distributed(self, replan: DistributedReplan, threshold: float) -> Rebalance:
-        """Every process calls it at the same step (pipeline.facade.replan)."""
-        self._check_distributed("rebalance", replan)
-        planned = self.setup.require_plan()
-        report = replan.decide(planned, self.calibration, threshold)
-        if report.applied:
-            replan.move(planned, repartitioned(planned, report.after), self._adopt,
-                        self._sharding())
-        self.rebalanced = report
-        log.info("hybridpipe: %s", report)
-        return report
-
-    def _resynthesize_distributed(
-        self, replan: DistributedReplan, threshold: float
-    ) -> Resynthesis:
-        """Every process calls it at the same step; a new placement moves units."""
-        self._check_distributed("resynthesize", replan)
-        planned = self.setup.require_plan()
-        report, schedule = replan.decide_schedule(
-            planned, self.calibration, threshold, self.setup.planner.memory_limit)
-        if schedule is not None:
-            replan.move(planned, planned.rescheduled(schedule), self._adopt, self._sharding())
-        self.resynthesized = report
-        log.info("hybridpipe: %s", report)
         return report
 
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
-        if self.replan is not None:
-            return self._resynthesize_distributed(self.replan, threshold)
-        calibration = self._measured_in_one_process(
-            "resynthesize",
-            "every process would have to switch at the same step; pass the schedule it reports "
-            "instead",
-        )
-        setup = self.setup
-        profiled = self.profiled_costs()  # first: it may profile, making a new decision
-        planned = setup.require_plan()
-        limits = running_limits(planned.schedule, profiled, setup.planner.memory_limit)
-        report, schedule = propose_schedule(
-            planned.schedule, calibration, profiled, limits, threshold
-        )
-        if report.applied:
-            self._adopt(planned.rescheduled(schedule))
+        report = self._replan("resynthesize", threshold)
+        assert isinstance(report, Resynthesis)
         self.resynthesized = report
-        log.info("hybridpipe: %s", report)
         return report

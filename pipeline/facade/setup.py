@@ -43,7 +43,6 @@ class Setup:
         self.executor = executor
         self.planner = planner
         self.load = load
-        self.decision: Decision | None = None
         self._checked: set[tuple[Any, ...]] = set()  # batch shapes that passed check_inputs
 
     @classmethod
@@ -84,6 +83,11 @@ class Setup:
         ))
         return cls(model, executor, planner, load)
 
+    @property
+    def decision(self) -> Decision | None:
+        """The running decision, which the executor holds (None before the first plan)."""
+        return self.executor.planned
+
     def require_plan(self) -> Decision:
         """The decision; a RuntimeError explaining when it is made if not yet."""
         if self.decision is None:
@@ -112,16 +116,21 @@ class Setup:
         return decision.microbatches if decision is not None else self.planner.microbatches
 
     def adopt(self, decision: Decision) -> None:
-        """Run `decision` from the next call on."""
-        self.load(decision)
-        self.decision = decision
+        """Run `decision` from the next call on (the executor adopts it)."""
+        self.executor.adopt(decision)
 
     def costs(self) -> StageCosts:
-        """The decision's per-stage profiled costs (profiled now if they were not)."""
-        with self.executor.precision.planning(self.executor.devices):
-            self.decision = self.planner.with_costs(self.require_plan(), self.executor.coordination)
-        assert self.decision.costs is not None  # with_costs sets them
-        return self.decision.costs
+        """The decision's per-stage profiled costs; when they were not profiled up front, every
+        unit is measured now by the processes holding it (under torch.distributed every
+        process calls it then)."""
+        decision = self.require_plan()
+        if decision.costs is None:
+            with self.executor.precision.planning(self.executor.devices):
+                units = self.executor.measure_units(decision)
+            decision = self.planner.with_units(decision, units)
+            self.adopt(decision)
+        assert decision.costs is not None  # with_units sets them
+        return decision.costs
 
     # -- the planning phase -----------------------------------------------------------------------
 
@@ -132,7 +141,6 @@ class Setup:
             with self.executor.precision.planning(self.executor.devices):
                 decision = self.planner.plan(args, call_spec, self.executor.coordination)
             self.load(decision)
-        self.decision = decision
         return decision
 
     def plan_on(self, x: Batch) -> Decision:
@@ -193,7 +201,9 @@ class Setup:
                 new = self.planner.recaptured(decision, split, self.executor.coordination)
             if new.captured is not decision.captured:
                 self.load(new)
-            self.decision = decision = new
+            else:
+                self.adopt(new)
+            decision = new
         for part in split.parts:
             check_inputs(decision.captured, part)
         if len(self._checked) >= 64:

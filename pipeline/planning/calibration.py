@@ -23,8 +23,9 @@ over four runs of benchmarks/bench_calibration.py; the median prediction 0.8%, a
 7.6%). The medians of the figures (`calibrate`'s fields) stay what re-partitioning compares
 plans on.
 `measured_node_costs` rescales the profiled node times of each stage to its measured total, for
-re-partitioning from measured costs (see `Pipeline.rebalance`). `held_out_check` runs a
-calibration pass and held-out steps on a Pipeline and compares (benchmarks and the demo).
+re-partitioning from measured costs (pipeline.planning.replan, `Pipeline.rebalance`).
+`held_out_check` runs a calibration pass and held-out steps on a Pipeline and compares
+(benchmarks and the demo).
 """
 
 from __future__ import annotations
@@ -300,36 +301,6 @@ class Rebalance:
             f"step {1e3 * self.predicted_before:.2f} -> {1e3 * self.predicted_after:.2f} ms "
             f"({self.gain:+.1%}); {verdict}"
         )
-
-
-def propose_rebalance(
-    captured: Captured,
-    plan: Plan,
-    schedule: Schedule,
-    calibration: Calibration,
-    profiled: StageCosts,
-    threshold: float = 0.05,
-) -> tuple[Rebalance, Plan]:
-    """Re-partition `captured` on measured node costs (`measured_node_costs`) and compare both
-    plans' calibrated predictions for `schedule`; the Rebalance says whether the new plan cuts
-    the predicted step by more than `threshold`."""
-    from partitioner import partition
-    from pipeline.planning.costs import stage_costs
-
-    measured = calibrated_costs(calibration, profiled)
-    scaled = measured_node_costs(captured, plan, measured)
-    new_plan = partition(scaled, schedule.num_stages, "profile")
-    # Mean actions (no spread): the choice between two plans should not ride on replay draws.
-    lat, over = calibration.latency, calibration.overhead
-    before = predict(schedule, measured, latency=lat, overhead=over).step_time
-    after = predict(schedule, stage_costs(scaled, new_plan), latency=lat, overhead=over).step_time
-    gain = 1.0 - after / before if before > 0 else 0.0
-    report = Rebalance(
-        before=plan.sizes, after=new_plan.sizes, predicted_before=before,
-        predicted_after=after, threshold=threshold,
-        applied=gain > threshold and new_plan.sizes != plan.sizes,
-    )
-    return report, new_plan
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ from torch.utils._pytree import TreeSpec
 
 from partitioner import Captured, Plan, StageModule, split_model
 from pipeline.planning.autoplan import AutoPlan
+from pipeline.planning.calibration import Rebalance
 from pipeline.planning.costs import StageCosts
 from pipeline.planning.settings import Settings
+from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule
 
 Pairs = frozenset[tuple[int, int]]  # (flat input index, dim)
@@ -111,8 +113,9 @@ class Decision:
     count is how every batch is split), the partition, the captured model (profiled once
     costs are known) with what it was captured on, the example microbatch that was profiled
     (flat inputs), every stage's module in stage order (sharing the model's parameters), the
-    per-stage costs (None until profiled) and what the auto-planner chose (None when no
-    setting was "auto")."""
+    per-stage costs (None until profiled), what the auto-planner chose (None when no
+    setting was "auto") and, for a decision a re-plan made, its report (`Rebalance` or
+    `Resynthesis`, applied or not; `Planner.replan`)."""
 
     model: torch.nn.Module
     schedule: Schedule
@@ -123,6 +126,7 @@ class Decision:
     modules: tuple[StageModule, ...]
     costs: StageCosts | None = None
     auto: AutoChoice | None = None
+    replanned: Rebalance | Resynthesis | None = None
 
     @property
     def microbatches(self) -> int:

@@ -2,8 +2,9 @@
 validated), then capture -> profile -> partition -> split -> stage costs from one example
 microbatch. `Planner.plan` is the planning phase: it takes the first batch and returns the
 frozen `Decision` (pipeline.planning.decision) that an executor places and runs. A later
-batch that changes a dim the capture made static makes a new decision (`Planner.recaptured`);
-the planner itself holds only the settings.
+batch that changes a dim the capture made static makes a new decision (`Planner.recaptured`),
+and so does a re-plan from measured costs (`Planner.replan`: a new partition or schedule); the
+planner itself holds only the settings.
 
 In one process the planner decides alone. Under torch.distributed the executor's
 `Coordination` makes global rank 0 decide (microbatch count, example, plan, costs) and every
@@ -45,6 +46,7 @@ from pipeline.planning.decision import (
     with_activations_of,
 )
 from pipeline.planning.microbatch import Microbatches, batch_size
+from pipeline.planning.replan import Measured, Reason, Replanned, decide
 from pipeline.planning.settings import input_settings, schedule_setting
 from pipeline.planning.shapes import (
     carry_over,
@@ -128,16 +130,18 @@ def _as_meta(value: Any) -> Any:
 
 
 def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...],
-            device: torch.device, runner: UnitRunner | None = None) -> None:
+            device: torch.device, runner: UnitRunner | None = None,
+            units: set[str] | None = None) -> None:
     """Profile the captured units, or estimate them (FLOPs + bytes on meta,
     partitioner.estimate) when the model is on the meta device. `runner(unit)`: what runs a
-    unit when it is timed (its compiled form under ``compile=``; partitioner.profile)."""
+    unit when it is timed (its compiled form under ``compile=``; partitioner.profile).
+    `units`: time only these (see partitioner.profile)."""
     if on_meta(model):
         estimate(captured, example, device=device)
     else:  # a meta model materialised since it was captured: time it on zeros of those shapes
         real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
                         if isinstance(t, torch.Tensor) and t.is_meta else t, example)
-        profile(captured, model, real, device=device, runner=runner)
+        profile(captured, model, real, device=device, runner=runner, units=units)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -200,9 +204,6 @@ class Planner:
         self.auto_activations = auto_activations
         self.virtual_stages = virtual_stages if isinstance(virtual_stages, int) else None
         self.balance = balance
-        # The leader profiles the units even when balance is not "profile" (a distributed
-        # re-balance needs their costs once the model is split).
-        self.profile_units = False
         # What runs a unit when it is profiled (set by the facade under compile=: the unit
         # compiled, so the balance, the simulator and "auto" see compiled costs).
         self.unit_runner: UnitRunner | None = None
@@ -372,7 +373,7 @@ class Planner:
         """(The leader) the partition, and the stage costs while it holds the whole model;
         with checkpoint_activations="auto", the policy per stage in the plan."""
         costed = self.balance == "profile" or self.auto_activations
-        if (costed or self.profile_units) and not profiled:
+        if costed and not profiled:
             with how.phase("profiling of the model"):
                 measure(captured, self.model, example, how.device, self.unit_runner)
                 if self.auto_activations:
@@ -478,18 +479,25 @@ class Planner:
             modules=tuple(split_model(captured, plan)), costs=costs,
         )
 
-    def with_costs(self, decision: Decision, how: Coordination) -> Decision:
-        """`decision` with its per-stage profiled seconds (profiling now, on its example, if
-        needed)."""
-        if decision.costs is not None:
-            return decision
-        if not how.keeps_whole_model:
-            raise RuntimeError(
-                "under torch.distributed the stage costs are measured on global rank 0 before "
-                "the model is split; build the Pipeline with balance='profile' to simulate it"
-            )
-        captured = decision.captured
-        if not captured.profiled:
-            measure(captured, self.model, decision.example, how.device,
-                        self.unit_runner)
-        return dataclasses.replace(decision, costs=stage_costs(captured, decision.plan))
+    def with_units(self, decision: Decision, units: Captured) -> Decision:
+        """`decision` with the captured model whose every unit is profiled (`units`, the same
+        units) and the per-stage costs summed from it."""
+        return dataclasses.replace(decision, captured=units,
+                                   costs=stage_costs(units, decision.plan))
+
+    def replan(self, decision: Decision, measured: Measured | None, reason: Reason,
+               how: Coordination, threshold: float = 0.05) -> Decision:
+        """A re-plan of `decision` for `reason` ("rebalance": a new partition, for the units'
+        measured costs or the ranks' measured speeds; "resynthesize": a new schedule) from
+        what was `measured` (read on the leader only): the leader decides
+        (pipeline.planning.replan.decide) and every process follows, agreed as the first plan
+        is (a `Replanned` record, carried by field name). Returns the decision to run, with
+        the report in `replanned` (the same plan and schedule when it was not applied)."""
+        offer = None
+        if how.leads:
+            if measured is None:
+                raise ValueError("the leader of a re-plan needs what was measured")
+            with how.phase(f"the {reason} re-plan"):
+                offer = decide(decision, measured, reason, threshold, self.memory_limit)
+        agreed: Replanned = how.agree(f"the {reason} re-plan", offer)
+        return agreed.applied_to(decision)

@@ -1,22 +1,17 @@
-"""Re-partitioning a distributed job from what its ranks measured: each pipeline rank's
+"""The speeds of a distributed job's ranks, from what they measured: each pipeline rank's
 speed is the profile's time for its stages over the measured time of them (a slower or busier
-device, contention the profile did not see), the units keep the profile's relative costs
-(scaled to the fastest rank's measured time), and the partition gives each stage the work
-its rank's speed can carry (`partitioner.partition(device_speeds=...)`).
-
-In one process `calibration.propose_rebalance` attributes a stage's whole measured deviation
-to its units, because every stage runs on the same kind of device there; across processes the
-deviation is mostly the device's, and a unit moved to a faster rank gets faster."""
+device, contention the profile did not see); the units keep the profile's relative costs
+(scaled to the fastest rank's measured time), and the re-plan's proposer
+(pipeline.planning.replan.propose_rebalance with by_rank) gives each stage the work its
+rank's speed can carry (`partitioner.partition(device_speeds=...)`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
 
-from partitioner import Captured, Plan, partition
-from pipeline.planning.calibration import Calibration, Rebalance, calibrated_costs, gain
-from pipeline.planning.costs import StageCosts, predict, stage_costs
-from scheduler import Schedule
+from partitioner import Captured
+from pipeline.planning.costs import StageCosts
 
 
 def rank_speeds(
@@ -55,37 +50,3 @@ def scaled_units(captured: Captured, factor: float) -> Captured:
             if key in node:
                 node[key] = node[key] * factor
     return scaled
-
-
-def propose_for_ranks(
-    captured: Captured,
-    plan: Plan,
-    schedule: Schedule,
-    calibration: Calibration,
-    profiled: StageCosts,
-    threshold: float = 0.05,
-) -> tuple[Rebalance, Plan]:
-    """Re-partition `captured` (profiled) for ranks of the measured speeds and compare both
-    plans' predictions for `schedule` (means, no spread); applied when the predicted step
-    shrinks by more than `threshold` and the stage sizes change."""
-    if not captured.profiled:
-        raise ValueError(
-            "re-balancing a distributed job needs the units' profiled costs; build the Pipeline "
-            "with balance='profile' or rebalance=True (global rank 0 profiles the units before "
-            "the model is split)"
-        )
-    measured = calibrated_costs(calibration, profiled)
-    speeds, base = rank_speeds(measured, profiled, schedule.placement)
-    stage_speeds = [speeds[r] for r in schedule.placement]
-    scaled = scaled_units(captured, base)
-    new_plan = partition(scaled, schedule.num_stages, "profile", device_speeds=stage_speeds)
-    lat, over = calibration.latency, calibration.overhead
-    before = predict(schedule, measured, latency=lat, overhead=over).step_time
-    after_costs = at_speeds(stage_costs(scaled, new_plan), stage_speeds)
-    after = predict(schedule, after_costs, latency=lat, overhead=over).step_time
-    report = Rebalance(
-        before=plan.sizes, after=new_plan.sizes, predicted_before=before,
-        predicted_after=after, threshold=threshold,
-        applied=gain(before, after) > threshold and new_plan.sizes != plan.sizes,
-    )
-    return report, new_plan

@@ -36,7 +36,7 @@ copied to the other replicas.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
+from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_and_adopt
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.dtensors import local
@@ -115,6 +116,12 @@ class DistributedExecutor(Executor):
         # Calls (shape key, step or forward, grad mode) run since the stages were last built:
         # they compile nothing new (see the module's "Compiling").
         self._warm: set[tuple[int, str, bool]] = set()
+        # The optimizers whose state moves with the units when a new decision is adopted.
+        self.optimizers = Optimizers(
+            lambda: {id(p) for m in self._mine.values() for p in m.parameters()})
+        self.last_move: MoveReport | None = None  # of the last adopted decision that moved
+
+    measures_rank_speeds = True  # one process (one device) per pipeline rank
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -159,6 +166,20 @@ class DistributedExecutor(Executor):
                 if id(t) not in kept and not t.is_meta:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         super().load(planned, loss_fn=loss_fn, checkpoint_activations=checkpoint_activations)
+
+    def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
+        """The units whose pipeline rank changes move with their gradients and optimizer
+        state, then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
+        self.last_move = move_and_adopt(self.context, self.sharding, self.optimizers, old, new,
+                                        rebuild)
+
+    def maximum(self, values: Tensor) -> Tensor:
+        """The elementwise maximum of `values` over every process (float64, on the CPU)."""
+        reduced = values.to(self.context.device, torch.float64)
+        with self.context.guard("gathering of measured figures"):
+            work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, async_op=True)
+            self.context.wait_work(work, None, "the measured figures")
+        return reduced.cpu()
 
     def reload(self) -> None:
         """Move the held stages to this process's device (meta stages, of a model built on
@@ -275,7 +296,9 @@ class DistributedExecutor(Executor):
         self, params: Sequence[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
-        return self.sharding.make_optimizer(params, optimizer_class, **kwargs)
+        made = self.sharding.make_optimizer(params, optimizer_class, **kwargs)
+        self.optimizers.offer(made)  # a re-balance carries its state
+        return made
 
     @property
     def holds_first_stage(self) -> bool:

@@ -19,9 +19,9 @@ from pipeline.planning.calibration import (
     calibrated_costs,
     held_out_check,
     predict_calibrated,
-    propose_rebalance,
 )
 from pipeline.planning.costs import predict, stage_costs
+from pipeline.planning.replan import propose_rebalance
 from scheduler import Op, Timeline, build_schedule, simulate
 
 

@@ -1,9 +1,10 @@
-"""Re-balancing a running distributed job (pipeline.facade.replan): one pipeline rank is made
-slower on purpose (it sleeps in every nn.Linear call, in the worker only), the job re-plans
-from what the ranks measured, moves the units whose rank changed with their gradients and
-Adam state, and keeps training exactly as the unsplit model does (float64: every loss and,
-at the end, every weight). A rank that fails during the move ends every process with an error
-naming it, each still on the old plan.
+"""Re-balancing a running distributed job (Planner.replan, Executor.adopt): one pipeline rank
+is made slower on purpose (it sleeps in every nn.Linear call, in the worker only), the job
+re-plans from what the ranks measured, moves the units whose rank changed with their gradients
+and Adam state, and keeps training exactly as the unsplit model does (float64: every loss and,
+at the end, every weight). On demand after balance="parameters" (nothing profiled up front)
+each rank measures its own units. A rank that fails during the move ends every process with an
+error naming it, each still on the old plan.
 
 This file is also the worker: ``python <this file> parts OUT_DIR`` (run by `launch`)."""
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from tests.support.distributed import (
     ATOL,
+    Checker,
     Ended,
     all_ok,
     dump,
@@ -139,6 +141,28 @@ def part_zb_pp4() -> None:
     _run(4, "zb-h1", auto=False)
 
 
+def part_on_demand() -> None:
+    """pp=2, balance="parameters" (nothing profiled up front), pipeline rank 1 slow: after
+    three steps, pipe.rebalance() on demand has each rank measure its own units and the
+    leader re-partition with everyone's figures; the step after gives the unsplit model's
+    loss and every gradient."""
+    import torch.distributed as dist
+
+    checker = Checker(2, "1f1b")
+    pipe = checker.pipe
+    _slow_down(pipe.module, dist.get_rank() == 1)
+    for step in range(3):
+        checker.step_and_compare(step)
+    before = pipe.plan.sizes
+    report = pipe.rebalance()
+    print(f"rank {dist.get_rank()}: {report}", flush=True)
+    assert report is pipe.rebalanced and report.before == before, (report, before)
+    assert report.predicted_before > 0 and report.predicted_after > 0, report
+    assert "applied" in str(report) and report.applied, report
+    assert report.after == pipe.plan.sizes and report.after[-1] < before[-1], (report, before)
+    checker.step_and_compare(3)
+
+
 def part_fail_move() -> None:
     """Pipeline rank 1 raises while the units move: every process raises (rank 0 a
     RankFailure naming rank 1) and keeps the old plan."""
@@ -174,7 +198,7 @@ def part_fail_move() -> None:
 # One launch per world size runs its parts in turn (a process start with torch costs seconds
 # here); each part prints its marker when its checks passed. The failing move comes last.
 PARTS: dict[int, dict[str, Callable[[], None]]] = {
-    2: {"adam_1f1b": part_adam_1f1b, "fail_move": part_fail_move},
+    2: {"adam_1f1b": part_adam_1f1b, "on_demand": part_on_demand, "fail_move": part_fail_move},
     4: {"zb_pp4": part_zb_pp4, "dp2": part_dp2, "fsdp": part_fsdp},
 }
 
@@ -220,6 +244,13 @@ def test_rebalance_moves_units_and_trains_exactly(
     world: int,
 ) -> None:
     _part_ran(runs, world, worker, tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_rebalance_on_demand_after_balance_by_parameters(
+    runs: dict[int, list[Ended]], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _part_ran(runs, 2, "on_demand", tmp_path_factory)
 
 
 @pytest.mark.slow
