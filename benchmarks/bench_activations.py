@@ -117,16 +117,16 @@ def _fixed(pipe: Pipeline) -> list[float]:
 
 def _block_ratios(pipe: Pipeline, prefix: str) -> dict[str, float]:
     """Over the transformer blocks: bytes kept by "selective" and "full" over "none"'s."""
-    nodes = pipe.captured.nodes
-    blocks = [v for v in pipe.captured.order if nodes[v].get("kept_none") and
-              v.startswith(prefix)]
-    none = sum(nodes[v]["kept_none"] for v in blocks)
-    full_flops = sum(nodes[v]["recompute_flops_full"] for v in blocks)
+    priced = [pipe.captured.costs[v].policies for v in pipe.captured.order
+              if v.startswith(prefix)]
+    blocks = [p for p in priced if p is not None and p.kept["none"]]
+    none = sum(p.kept["none"] for p in blocks)
+    full_flops = sum(p.recompute_flops["full"] for p in blocks)
     return {"blocks": len(blocks),
-            "selective_over_none": sum(nodes[v]["kept_selective"] for v in blocks) / none,
-            "full_over_none": sum(nodes[v]["kept_full"] for v in blocks) / none,
+            "selective_over_none": sum(p.kept["selective"] for p in blocks) / none,
+            "full_over_none": sum(p.kept["full"] for p in blocks) / none,
             "recompute_flops_selective_over_full": sum(
-                nodes[v]["recompute_flops_selective"] for v in blocks) / full_flops}
+                p.recompute_flops["selective"] for p in blocks) / full_flops}
 
 
 def _predicted_steps(roomy: Pipeline, pipes: dict[str, Pipeline],

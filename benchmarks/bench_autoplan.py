@@ -29,7 +29,7 @@ def main() -> None:
     model = GPT(vocab=256, dim=64, layers=62, heads=4, max_seq=32)
     x = torch.randint(0, 256, (2, 32))
     graph = capture(model, (x,), leaf_modules=(TransformerBlock,))
-    profile(graph, model, (x,))
+    graph = graph.with_costs(profile(graph, model, (x,)))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     limit = 4.0 * param_bytes / 2  # weights + grads + Adam need >= 2 pipeline ranks
     rows: list[dict[str, Any]] = []

@@ -143,7 +143,8 @@ def measure(name: str) -> dict[str, Any]:
     graph, t_capture = _timed(lambda: capture(model, args, kwargs), "capture")
     t_profile = None
     if not meta:
-        _, t_profile = _timed(lambda: profile(graph, model, tuple(flat)), "profile")
+        costs, t_profile = _timed(lambda: profile(graph, model, tuple(flat)), "profile")
+        graph = graph.with_costs(costs)
     balance = "parameters" if meta else "profile"
     plan, t_partition = _timed(lambda: partition(graph, 4, balance), "partition")
     _, t_split = _timed(lambda: split_model(graph, plan), "split")

@@ -164,7 +164,7 @@ def _model(schedule: Any, timelines: list[Any], sample: torch.Tensor, dim: int,
 
     model = mlp_stack(blocks=8, dim=dim, hidden=hidden)
     graph = capture(model, (sample,))
-    profile(graph, model, (sample,))
+    graph = graph.with_costs(profile(graph, model, (sample,)))
     profiled = stage_costs(graph, partition(graph, P, "uniform"))
     calibration = calibrate(schedule, timelines)
 

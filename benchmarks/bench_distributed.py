@@ -142,8 +142,8 @@ def _runs(rank: int, dim: int, hidden: int, m: int, rows: int) -> dict[str, Run]
         graph = capture(model, (x[:rows],))
         plan = partition(graph, P, "uniform")
         if costs is None and rank == 0:  # for the cost-model check (a uniform split is not
-            profile(graph, model, (x[:rows],))  # profiled by Pipeline; rank 0 checks)
-            costs = stage_costs(graph, plan)
+            # (a uniform split is not profiled by Pipeline; rank 0 checks)
+            costs = stage_costs(graph.with_costs(profile(graph, model, (x[:rows],))), plan)
         stages = split_model(graph, plan)
         peer = cls(PipelineStage(stages[rank], rank, P, torch.device("cpu")), m, loss_fn=_loss)
         runs[f"hybridpipe {name}"] = (partial(pipe.step, x, y), pipe.zero_grad)

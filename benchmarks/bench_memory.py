@@ -141,12 +141,13 @@ def _estimate_vs_profile(name: str, build: Any, batch: dict[str, torch.Tensor]) 
     torch.manual_seed(0)
     real = build()
     profiled = capture(real, (), batch)
-    profile(profiled, real, tuple(batch.values()), repeats=5, warmup=2)
+    profiled = profiled.with_costs(
+        profile(profiled, real, tuple(batch.values()), repeats=5, warmup=2))
     with torch.device("meta"):
         model = build()
     meta_batch = {k: v.to("meta") for k, v in batch.items()}
     estimated = capture(model, (), meta_batch)
-    estimate(estimated, tuple(batch.values()))
+    estimated = estimated.with_costs(estimate(estimated, tuple(batch.values())))
     if estimated.order != profiled.order:
         raise SystemExit(f"{name}: the meta and CPU captures differ; cannot compare")
     by_profile = partition(profiled, 4, "profile")

@@ -24,7 +24,16 @@ import torchvision
 from report import write_results
 from torch import nn
 
-from partitioner import Captured, Plan, capture, partition, partition_chain, profile, split_model
+from partitioner import (
+    Captured,
+    Plan,
+    UnitCosts,
+    capture,
+    partition,
+    partition_chain,
+    profile,
+    split_model,
+)
 from partitioner.solver import block_partition
 from pipeline.app.models import GPT, mlp_stack, skewed_model
 
@@ -49,7 +58,7 @@ def block_plan(graph: Captured, stages: int) -> Plan:
     """torchgpipe-style block partition of the profiled costs. Its cuts may land where a
     non-tensor crosses (e.g. GPT's idx.size(1)); such a cut is moved one node later."""
     order = graph.order
-    costs = [graph.nodes[v]["forward_time"] + graph.nodes[v]["backward_time"] for v in order]
+    costs = [graph.costs[v].forward + graph.costs[v].backward for v in order]
     sizes = block_partition(costs, stages)
     for _ in range(len(order)):
         try:
@@ -97,7 +106,7 @@ def compare_methods() -> list[dict[str, Any]]:
         model.train()
         graph = capture(model, inputs)
         started = time.perf_counter()
-        profile(graph, model, inputs, repeats=7, warmup=2)
+        graph = graph.with_costs(profile(graph, model, inputs, repeats=7, warmup=2))
         profile_s = time.perf_counter() - started
         for p in STAGES:
             if p > len(graph):
@@ -130,9 +139,9 @@ def timing_2000_nodes() -> dict[str, Any]:
     model = mlp_stack(400, 8)
     graph = capture(model, (torch.randn(2, 8),))
     rng = random.Random(0)
-    for v in graph.order:
-        graph.nodes[v]["forward_time"] = rng.uniform(1e-5, 1e-3)
-        graph.nodes[v]["backward_time"] = rng.uniform(1e-5, 2e-3)
+    graph = graph.with_costs({
+        v: UnitCosts(forward=rng.uniform(1e-5, 1e-3), input_grad=rng.uniform(1e-5, 2e-3),
+                     activation_bytes=float(graph.nodes[v]["bytes"])) for v in graph.order})
     costs = [rng.uniform(0, 1) for _ in range(2000)]
     graph_times, chain_times = [], []
     for _ in range(3):

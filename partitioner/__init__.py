@@ -8,12 +8,15 @@ from partitioner.plan import Plan, partition
 from partitioner.profile import profile
 from partitioner.solver import partition_chain
 from partitioner.split import StageModule, split_model
+from partitioner.unit_costs import PolicyCosts, UnitCosts
 
 __all__ = [
     "CaptureError",
     "Captured",
     "Plan",
+    "PolicyCosts",
     "StageModule",
+    "UnitCosts",
     "capture",
     "partition",
     "partition_chain",

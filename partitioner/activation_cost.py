@@ -1,25 +1,26 @@
 """What each activation policy costs and saves, measured per block of a captured model (the
 blocks `partitioner.blocks` cuts, which "full" and "selective" recompute one at a time) and
-written onto the graph's units, so a stage's price under any partition is a sum over its units:
+returned per unit as a `PolicyCosts` (partitioner.unit_costs), so a stage's price under any
+partition is a sum over its units:
 
-- ``kept_none`` / ``kept_full`` / ``kept_selective``: bytes the block keeps for its backward
-  per microbatch under "none", "full" (its inputs) and "selective" (its inputs and the
-  outputs the rule of `selective_keep` chooses), run as the runtime runs them (the runs
-  given to `price_policies`) and counted with `saved_bytes.SavedBytes` as the runtime does;
-  with ``_later``, the same in a stage after the first, whose runtime makes every float
-  input need grad (a rotary table received from the stage before, say). A value an earlier
-  block read too counts with that block only; ``shared_reads`` names such values and their
-  bytes, which a later stage receives, and keeps, once;
-- ``added_full`` / ``added_selective``: the time a forward and backward under "full" and
-  "selective" take beyond a plain one (recomputation at graph level, or under the checkpoint
-  where a block does not trace), over the plain one's; timed block by block (as many at once
-  as the process runs rank threads), each the fastest of a few trials, and summed over the
-  whole model (one block is too short to time on a busy machine);
-- ``recompute_flops_full`` / ``recompute_flops_selective``: FLOPs of the matmuls,
-  convolutions and attention (the candidate ops) that a recomputation under each runs;
-- ``held_to_w_full`` / ``held_to_w_selective``: bytes a split backward's B keeps for its W
-  under each (the output grads and recomputed inputs the weight grads read);
-- ``offload_time``: seconds to move the "none" bytes to host memory one way (at the copy
+- `kept`: bytes the block keeps for its backward per microbatch under "none", "full" (its
+  inputs) and "selective" (its inputs and the outputs the rule of `selective_keep`
+  chooses), run as the runtime runs them (the runs given to `price_policies`) and counted
+  with `saved_bytes.SavedBytes` as the runtime does; `kept_later`, the same in a stage after
+  the first, whose runtime makes every float input need grad (a rotary table received from
+  the stage before, say). A value an earlier block read too counts with that block only;
+  `shared_reads` names such values and their bytes, which a later stage receives, and
+  keeps, once;
+- `added` ("full", "selective"): the time a forward and backward under each takes beyond a
+  plain one (recomputation at graph level, or under the checkpoint where a block does not
+  trace), over the plain one's; timed block by block (as many at once as the process runs
+  rank threads), each the fastest of a few trials, and summed over the whole model (one
+  block is too short to time on a busy machine);
+- `recompute_flops` ("full", "selective"): FLOPs of the matmuls, convolutions and attention
+  (the candidate ops) that a recomputation under each runs;
+- `held_to_w` ("full", "selective"): bytes a split backward's B keeps for its W under each
+  (the output grads and recomputed inputs the weight grads read);
+- `offload_time`: seconds to move the "none" bytes to host memory one way (at the copy
   bandwidth measured on the block's device; pinned host memory on CUDA); None on a CPU
   device, where "offload" moves nothing.
 
@@ -29,9 +30,11 @@ were."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +45,7 @@ from partitioner.blocks import BlockChain, block_key
 from partitioner.captured import Captured
 from partitioner.sandbox import sandbox
 from partitioner.saved_bytes import SavedBytes
+from partitioner.unit_costs import PolicyCosts
 
 _TRIALS = 3
 _JOIN_TIMEOUT = 300.0  # seconds one timed block step may take in a pricing thread
@@ -143,44 +147,53 @@ def copy_bandwidth(device: torch.device, nbytes: int = 8 << 20) -> float:
     return nbytes / seconds if seconds > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class BlockFigures:
+    """A block's figures from its last calls under "full" and "selective": policy -> the
+    recompute FLOPs of its candidate ops, and policy -> the bytes a split backward's B keeps
+    for W."""
+
+    recompute_flops: Mapping[str, float]
+    held_to_w: Mapping[str, float]
+
+
 RunsOf = Callable[[fx.GraphModule, Sequence[Any], float | None],
-                  tuple[dict[str, Callable[..., Any]], Callable[[], dict[str, float]]]]
+                  tuple[dict[str, Callable[..., Any]], Callable[[], BlockFigures]]]
 """How a block runs under "full" and "selective" (given the candidate ops and the budget),
-and, after those runs, its ``recompute_flops_*`` and ``held_to_w_*`` figures (module
-docstring)."""
+and, after those runs, its `BlockFigures`."""
+
+_POLICIES = ("none", "full", "selective")
+_RECOMPUTING = ("full", "selective")
 
 
 def price_policies(
     captured: Captured, example_inputs: tuple[Any, ...], save_ops: Sequence[Any],
     budget: float | None, runs_of: RunsOf, threads: int = 1,
-) -> None:
-    """Write each policy's price (see the module docstring) onto the units of `captured`,
-    measured on `example_inputs` (flat, as the graph's inputs) on the device the model's
-    parameters are on; `save_ops` and `budget`: the candidate ops "selective" may keep and
-    its byte budget (selective_keep); `runs_of`: how the runtime runs a block under "full"
-    and "selective" (pipeline.execution.activations.graph.block_runs); `threads`: how many
-    pipeline ranks the process runs in threads (the local executor on CPU): the policies are
-    timed that many at once, as they run, since what they add holds the interpreter lock
-    differently from a plain block (a traced backward runs its ops from Python, autograd's
-    own in C++)."""
-    gm, unit_of, order, graph = (captured.graph_module, captured.unit_of, captured.order,
-                                 captured.graph)
-    model = captured.model
+) -> dict[str, PolicyCosts]:
+    """Each unit's `PolicyCosts` (see the module docstring) in `captured`, measured on
+    `example_inputs` (flat, as the graph's inputs) on the device the model's parameters are
+    on; `save_ops` and `budget`: the candidate ops "selective" may keep and its byte budget
+    (selective_keep); `runs_of`: how the runtime runs a block under "full" and "selective"
+    (pipeline.execution.activations.graph.block_runs); `threads`: how many pipeline ranks the
+    process runs in threads (the local executor on CPU): the policies are timed that many at
+    once, as they run, since what they add holds the interpreter lock differently from a
+    plain block (a traced backward runs its ops from Python, autograd's own in C++). Attach
+    them with `partitioner.unit_costs.with_policies`."""
+    gm, unit_of, order = captured.graph_module, captured.unit_of, captured.order
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
     chain = BlockChain(gm)
     save = list(save_ops)
     bandwidth = copy_bandwidth(device) if device.type != "cpu" else None
-    for name in order:
-        graph.nodes[name].update(
-            {f"kept_{p}{suffix}": 0.0 for p in ("none", "full", "selective")
-             for suffix in ("", "_later")},
-            recompute_flops_full=0.0, recompute_flops_selective=0.0,
-            held_to_w_full=0.0, held_to_w_selective=0.0,
-            offload_time=None if bandwidth is None else 0.0)
+    none_kept = dict.fromkeys(_POLICIES, 0.0)
+    none_figures = dict.fromkeys(_RECOMPUTING, 0.0)
+    prices = {name: PolicyCosts(kept=none_kept, kept_later=none_kept, added={},
+                                recompute_flops=none_figures, held_to_w=none_figures,
+                                offload_time=None if bandwidth is None else 0.0)
+              for name in order}
     values = dict(zip((n.name for n in chain.placeholders), example_inputs, strict=False))
     read: set[str] = set()  # values read by a block already
-    times = dict.fromkeys(("none", "full", "selective"), 0.0)
-    with sandbox(model):
+    times = dict.fromkeys(_POLICIES, 0.0)
+    with sandbox(captured.model):
         for block in chain.blocks:
             module = block.module
             args = [values[n] for n in block.inputs]
@@ -188,17 +201,18 @@ def price_policies(
             runs: dict[str, Callable[..., Any]] = {"none": module, **recomputing}
             shared = [n in read for n in block.inputs]
             read.update(block.inputs)
-            kept = {f"kept_{p}{suffix}": _kept(run, args, every_float, shared)
-                    for suffix, every_float in (("_later", True), ("", False))
-                    for p, run in runs.items()}
+            later = {p: _kept(run, args, True, shared) for p, run in runs.items()}
+            kept = {p: _kept(run, args, False, shared) for p, run in runs.items()}
+            got = figures()  # of the last calls: the first stage's ones
             first = next((n.name for n in module.graph.nodes
                           if n.name in unit_of and block_key(n) is not None),
                          next(n.name for n in module.graph.nodes if n.name in unit_of))
-            unit = graph.nodes[order[unit_of[first]]]
-            unit.update(
-                **kept, **figures(),  # of the last calls: the "" (first stage) ones
-                offload_time=None if bandwidth is None else kept["kept_none"] / bandwidth,
-                shared_reads={**unit.get("shared_reads", {}), **{
+            unit = order[unit_of[first]]
+            prices[unit] = PolicyCosts(
+                kept=kept, kept_later=later, added={}, recompute_flops=got.recompute_flops,
+                held_to_w=got.held_to_w,
+                offload_time=None if bandwidth is None else kept["none"] / bandwidth,
+                shared_reads={**prices[unit].shared_reads, **{
                     n: _nbytes(values[n]) for n, s in zip(block.inputs, shared, strict=True)
                     if s and isinstance(values[n], torch.Tensor)}},
             )
@@ -214,7 +228,5 @@ def price_policies(
                 values.update(zip(block.outputs, map(_marked, outputs), strict=True))
     # The ratios over the whole model: one block's few milliseconds are too noisy to time.
     plain = times["none"]
-    added = {p: max(0.0, times[p] / plain - 1.0) if plain > 0 else 1.0
-             for p in ("full", "selective")}
-    for name in order:
-        graph.nodes[name].update(added_full=added["full"], added_selective=added["selective"])
+    added = {p: max(0.0, times[p] / plain - 1.0) if plain > 0 else 1.0 for p in _RECOMPUTING}
+    return {name: dataclasses.replace(c, added=added) for name, c in prices.items()}

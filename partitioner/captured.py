@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import networkx as nx
 from torch import fx, nn
 from torch.utils._pytree import TreeSpec
+
+from partitioner.unit_costs import UnitCosts
 
 Method = Literal["export", "fx", "sequential"]
 
@@ -39,10 +41,12 @@ class Captured:
       (its path, or None), members (its flat node names), shape and dtype (of the last value
       it hands on), bytes and tensor (of all values it hands on), param_bytes (of every
       parameter it reads, so a shared layer's at each call) and index (its position in
-      `order`). An edge u -> v carries `bytes`, what v reads of u's values. Profiling adds
-      forward_time, backward_time, input_grad_time, weight_grad_time, activation_bytes (and
-      measured_as) to the nodes; `partitioner.estimate` adds FLOP estimates and
-      cost_source="estimate", a re-balance from measured costs cost_source="measured".
+      `order`). An edge u -> v carries `bytes`, what v reads of u's values. Costs are not
+      node attributes: they are `costs`.
+    - `costs`: unit name -> its `UnitCosts` (partitioner.unit_costs), empty until the units
+      are costed. Profiling (`partitioner.profile`), the meta estimate
+      (`partitioner.estimate`) and the policy prices (`partitioner.activation_cost`) return
+      costs; `with_costs` makes the record that carries them, leaving this one as it was.
     - `model`: the module captured. `method`: the front end that captured it: "export"
       (torch.export, non-strict, its aten ops grouped by module call), "fx" (torch.fx, one unit
       per fx node) or "sequential" (an nn.Sequential's children in order).
@@ -62,8 +66,8 @@ class Captured:
     - `training`: every module's .training as the export baked it in (dropout, batch norm),
       or None when the graph does not depend on it.
 
-    Frozen: re-capture makes a new record. The nodes' attribute dicts are the one mutable
-    part (profiling annotates them); `copy` gives a record with its own.
+    Frozen: re-capture makes a new record, and so does costing it (`with_costs`); nothing
+    after capture writes into the graph's node attributes.
     """
 
     graph: nx.DiGraph
@@ -84,6 +88,7 @@ class Captured:
     non_persistent: frozenset[str]
     aliases: Mapping[str, list[str]]
     training: tuple[bool, ...] | None
+    costs: Mapping[str, UnitCosts] = field(default_factory=dict)
 
     @property
     def nodes(self) -> Any:
@@ -100,15 +105,29 @@ class Captured:
         """The number of units."""
         return len(self.order)
 
-    def copy(self) -> Captured:
-        """The same capture with its own node attributes (profile one copy without touching
-        the other); the modules are shared."""
-        return dataclasses.replace(self, graph=self.graph.copy())
+    def with_costs(self, costs: Mapping[str, UnitCosts]) -> Captured:
+        """The same capture carrying `costs` (unit name -> `UnitCosts`, every unit of
+        `order`; e.g. what `partitioner.profile` returns); the graph and modules are shared."""
+        unknown = sorted(set(costs) - set(self.order))
+        missing = [v for v in self.order if v not in costs]
+        if unknown or missing:
+            raise ValueError(
+                f"costs must name every unit of the capture and no other; missing "
+                f"{missing[:3]}, unknown {unknown[:3]}: pass what profile/estimate returned "
+                "for this capture"
+            )
+        bad = [v for v, c in costs.items() if not isinstance(c, UnitCosts)]
+        if bad:
+            raise TypeError(
+                f"costs of {bad[:3]} are not partitioner.UnitCosts (got "
+                f"{type(costs[bad[0]]).__name__}); build them with UnitCosts(...)"
+            )
+        return dataclasses.replace(self, costs=dict(costs))
 
     @property
     def profiled(self) -> bool:
-        """Whether every unit has its forward and backward times."""
-        return all("forward_time" in self.graph.nodes[v] for v in self.order)
+        """Whether every unit has its costs."""
+        return bool(self.costs) and all(v in self.costs for v in self.order)
 
     @property
     def dynamic_dim_names(self) -> list[str] | None:

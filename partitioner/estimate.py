@@ -1,7 +1,7 @@
 """Estimate a captured graph's costs without real tensors: run each unit on the meta device,
 count its FLOPs (torch.utils.flop_counter.FlopCounterMode) for the forward, the input-grad
 and the weight-grad walk, and the bytes it moves, and turn them into the seconds `profile`
-would measure (the same node attributes, so partitioning and stage costs read them alike).
+would measure (the same `UnitCosts`, so partitioning and stage costs read them alike).
 
 time = FLOPs / FLOP rate + bytes / byte rate (`rates`, by default `RATES` for the device
 type): matrix products are priced by their FLOPs, element-wise work (norms, activations,
@@ -12,6 +12,7 @@ figures. Measured steps refine it (`Pipeline.rebalance`, calibration)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner.captured import Captured
 from partitioner.probe import probe
+from partitioner.unit_costs import UnitCosts
 
 # (FLOP/s, bytes/s) per device type: the balance depends on their ratio only.
 RATES = {"cpu": (5e10, 1e10), "cuda": (2e14, 2e12)}
@@ -55,7 +57,7 @@ class _Estimator(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, rates: tuple[float, float]) -> None:
         super().__init__(gm)
         self.flop_rate, self.byte_rate = rates
-        self.results: dict[str, dict[str, float]] = {}
+        self.results: dict[str, UnitCosts] = {}
 
     def seconds(self, flops: float, moved: float) -> float:
         return flops / self.flop_rate + moved / self.byte_rate
@@ -74,41 +76,32 @@ class _Estimator(fx.Interpreter):
         if n.op == "call_module":
             params = list(self.fetch_attr(str(n.target)).parameters())
         moved = _bytes((args, kwargs)) + _bytes(result) + _bytes(params)
-        stats = {
-            "forward_time": self.seconds(forward, moved),
-            "backward_time": 0.0,
-            "input_grad_time": 0.0,
-            "weight_grad_time": 0.0,
-            "activation_bytes": 0.0,
-            "forward_flops": float(forward),
-        }
-        stats.update(self._backward(n, run, args, kwargs, params, moved))
-        self.results[n.name] = stats
+        self.results[n.name] = self._backward(
+            n, run, args, kwargs, params, moved,
+            UnitCosts(forward=self.seconds(forward, moved), source="estimate",
+                      forward_flops=float(forward)))
         return result
 
     def _backward(
         self, n: fx.Node, run: Any, args: Any, kwargs: Any, params: list[nn.Parameter],
-        moved: float,
-    ) -> dict[str, float]:
+        moved: float, costs: UnitCosts,
+    ) -> UnitCosts:
         own: list[torch.Tensor] = [p for p in params if p.requires_grad]
         ids = {id(p) for p in own}
         got = probe(run, n.target, args, kwargs, weights=own,
                     is_param=lambda t: isinstance(t, nn.Parameter) or id(t) in ids, key=id)
-        stats: dict[str, float] = {"activation_bytes": got.activation_bytes}
+        costs = dataclasses.replace(costs, activation_bytes=got.activation_bytes)
         if not got.has_backward:
-            return stats
+            return costs
         leaves, weights = got.leaves, got.weights
         total = _flops(got.grad_of(leaves + weights))
         input_flops = _flops(got.grad_of(leaves)) if leaves and weights else (
             total if leaves else 0)
         input_flops = min(input_flops, total)
-        input_grad = self.seconds(input_flops, moved) if leaves else 0.0
-        weight_grad = self.seconds(total - input_flops, moved) if weights else 0.0
-        stats.update(
-            backward_time=input_grad + weight_grad, input_grad_time=input_grad,
-            weight_grad_time=weight_grad, backward_flops=float(total),
-        )
-        return stats
+        return dataclasses.replace(
+            costs, input_grad=self.seconds(input_flops, moved) if leaves else 0.0,
+            weight_grad=self.seconds(total - input_flops, moved) if weights else 0.0,
+            backward_flops=float(total))
 
 
 def estimate(
@@ -117,12 +110,11 @@ def estimate(
     *,
     device: str | torch.device = "cpu",
     rates: tuple[float, float] | None = None,
-) -> None:
-    """Add estimated forward_time, backward_time, input_grad_time, weight_grad_time (s),
-    activation_bytes, forward_flops and backward_flops to every node of a `capture`d graph,
+) -> dict[str, UnitCosts]:
+    """The estimated `UnitCosts` of every unit of a `capture`d model (forward, input-grad and
+    weight-grad seconds, activation bytes, forward and backward FLOPs; source "estimate"),
     running it on meta tensors (the model may be on meta: nothing is allocated). `rates`:
-    (FLOP/s, bytes/s), by default `RATES` for the device type. Marks every node
-    ``cost_source="estimate"``."""
+    (FLOP/s, bytes/s), by default `RATES` for the device type. The record is left as it was."""
     if not isinstance(example_inputs, tuple):
         raise TypeError(
             f"example_inputs must be a tuple, got {type(example_inputs).__name__}; wrap as (x,)"
@@ -139,5 +131,4 @@ def estimate(
         )
     estimator = _Estimator(gm, chosen)
     estimator.run(*_meta(example_inputs))
-    for name, stats in estimator.results.items():
-        captured.nodes[name].update(stats, cost_source="estimate")
+    return dict(estimator.results)

@@ -152,10 +152,14 @@ class _CostModel:
         self.n, self.p, self.order = n, p, order
         self.speeds, self.caps, self.flights = speeds, caps, flights
         self.optimizer_factor = optimizer_factor
-        self.fwd = _node_array(captured, "forward_time", None)
-        self.bwd = _node_array(captured, "backward_time", None)
-        self.params = _node_array(captured, "param_bytes", None)
-        acts = _node_array(captured, "activation_bytes", "bytes")
+        costs, nodes = captured.costs, captured.nodes
+        unit = [costs.get(v) for v in order]
+        self.fwd = np.array([0.0 if c is None else c.forward for c in unit])
+        self.bwd = np.array([0.0 if c is None else c.backward for c in unit])
+        self.params = np.array([float(nodes[v].get("param_bytes", 0.0)) for v in order])
+        # Without costs, a unit's output bytes stand in for what it keeps for its backward.
+        acts = np.array([float(nodes[v]["bytes"]) if c is None else c.activation_bytes
+                         for v, c in zip(order, unit, strict=True)])
         self.compute = self.fwd + self.bwd
         self.cut_size, self.cut_ok = cut_arrays(spans(captured), n)
         transfer = self.cut_size / bandwidth if bandwidth is not None else np.zeros(n + 1)
@@ -204,13 +208,6 @@ class _CostModel:
 
 
 Cost = Callable[[int, int, np.ndarray], np.ndarray]
-
-
-def _node_array(captured: Captured, key: str, fallback: str | None) -> np.ndarray:
-    nodes = captured.nodes
-    if fallback is None:
-        return np.array([float(nodes[v].get(key, 0.0)) for v in captured.order])
-    return np.array([float(nodes[v].get(key, nodes[v][fallback])) for v in captured.order])
 
 
 def partition(
@@ -286,11 +283,11 @@ def _method(captured: Captured, balance: str) -> str:
         return balance
     if not captured.profiled:
         raise ValueError(
-            "balance='profile' needs forward/backward times on the graph: call "
-            "partitioner.profile(captured, model, example_inputs) first, or use "
-            "balance='parameters' or 'uniform'"
+            "balance='profile' needs the units' costs: partition "
+            "captured.with_costs(partitioner.profile(captured, model, example_inputs)), or "
+            "use balance='parameters' or 'uniform'"
         )
-    if any(captured.nodes[v].get("cost_source") == "estimate" for v in captured.order):
+    if any(c.source == "estimate" for c in captured.costs.values()):
         return "profile, estimated on meta: FLOPs + bytes"
     return balance
 
@@ -344,7 +341,7 @@ def _plan(captured: Captured, model: _CostModel, sizes: list[int], method: str) 
     ]
     lower = max(float(compute.sum() / speeds.sum()), float(compute.max() / speeds.max()))
     worst, mean = max(costs), sum(costs) / p
-    nodes = captured.nodes
+    units = captured.costs
     return Plan(
         stages=[list(order[s]) for s in spans_of],
         forward_times=fwd_s,
@@ -358,7 +355,8 @@ def _plan(captured: Captured, model: _CostModel, sizes: list[int], method: str) 
         lower_bound=lower,
         method=method,
         dynamic_dims=captured.dynamic_dim_names,
-        shared={v: nodes[v]["measured_as"] for v in order if "measured_as" in nodes[v]},
+        shared={v: str(units[v].measured_as) for v in order
+                if v in units and units[v].measured_as is not None},
     )
 
 

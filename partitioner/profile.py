@@ -17,6 +17,7 @@ state are unchanged afterwards."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -31,6 +32,7 @@ from partitioner.captured import Captured
 from partitioner.exported import retarget
 from partitioner.probe import probe
 from partitioner.sandbox import Sandbox, sandbox
+from partitioner.unit_costs import UnitCosts
 
 Progress = Callable[[int, int, str], None]
 BUDGET = 0.25  # seconds of timed runs per measurement, past which no more repeats are run
@@ -138,7 +140,7 @@ class _Profiler(fx.Interpreter):
         self.total = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
         self.done = 0
         self.params = {p.data_ptr() for p in gm.parameters()}
-        self.results: dict[str, dict[str, Any]] = {}
+        self.results: dict[str, UnitCosts] = {}
         self.first: dict[str, str] = {}  # signature -> the unit measured for it
 
     def _median(self, fn: Callable[[], Any], warmup: int | None = None) -> float:
@@ -165,7 +167,7 @@ class _Profiler(fx.Interpreter):
             n.op == "call_module") else None
         first = self.first.get(key) if key is not None else None
         if first is not None:  # an identical block (same ops, shapes) was measured already
-            self.results[n.name] = dict(self.results[first], measured_as=first)
+            self.results[n.name] = dataclasses.replace(self.results[first], measured_as=first)
         else:
             if key is not None:
                 self.first[key] = n.name
@@ -205,7 +207,7 @@ class _Profiler(fx.Interpreter):
         unit = self.runner(self.fetch_attr(str(n.target)))
         return lambda _target, args, kwargs: unit(*args, **kwargs)
 
-    def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> UnitCosts:
         wrapped = self.runner is not None and n.op == "call_module"
         fresh = _as_in_step if wrapped else _fresh
         with torch.set_grad_enabled(wrapped):  # see `profile`
@@ -213,26 +215,18 @@ class _Profiler(fx.Interpreter):
                 lambda: run(n.target, *fresh((args, kwargs))),
                 max(1, self.warmup) if wrapped else max(0, self.warmup - 1),
             )
-        stats: dict[str, Any] = {
-            "forward_time": forward,
-            "backward_time": 0.0,
-            "input_grad_time": 0.0,
-            "weight_grad_time": 0.0,
-            "activation_bytes": 0.0,
-        }
-        stats.update(self._backward(n, run, args, kwargs))
-        return stats
+        return self._backward(n, run, args, kwargs, forward)
 
-    def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> dict[str, float]:
+    def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any, forward: float
+                  ) -> UnitCosts:
         own = []
         if n.op == "call_module":
             own = [p for p in self.fetch_attr(str(n.target)).parameters() if p.requires_grad]
         got = probe(run, n.target, args, kwargs, weights=own,
                     is_param=lambda t: t.data_ptr() in self.params,
                     key=lambda t: (t.data_ptr(), t.numel()))
-        stats: dict[str, float] = {"activation_bytes": got.activation_bytes}
         if not got.has_backward:
-            return stats
+            return UnitCosts(forward=forward, activation_bytes=got.activation_bytes)
         leaves, weights = got.leaves, got.weights
         backward = self._median(got.grad_of(leaves + weights))
         # B: the input-grad walk alone (capped by the whole backward against timing noise).
@@ -242,10 +236,9 @@ class _Profiler(fx.Interpreter):
             input_grad = backward
         else:
             input_grad = min(backward, self._median(got.grad_of(leaves)))
-        stats["backward_time"] = backward
-        stats["input_grad_time"] = input_grad
-        stats["weight_grad_time"] = backward - input_grad
-        return stats
+        return UnitCosts(forward=forward, input_grad=input_grad,
+                         weight_grad=backward - input_grad,
+                         activation_bytes=got.activation_bytes)
 
 
 def _copy_to(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
@@ -272,9 +265,10 @@ def profile(
     progress: Progress | None = None,
     runner: Callable[[nn.Module], nn.Module] | None = None,
     units: Collection[str] | None = None,
-) -> None:
-    """Add forward_time, backward_time (s), input_grad_time + weight_grad_time (= backward_time;
-    see the module docstring) and activation_bytes to every node of a `capture`d graph.
+) -> dict[str, UnitCosts]:
+    """The `UnitCosts` of every unit of a `capture`d model, measured: forward, input-grad and
+    weight-grad seconds (see the module docstring) and activation bytes. The record is left as
+    it was; ``captured.with_costs(costs)`` is the one to partition by profiled time.
 
     `model` is the model the graph was captured from (its state is sandboxed). On a `device`
     other than the model's, a copy is measured there. `progress(done, total, node)` is called
@@ -288,7 +282,7 @@ def profile(
     `units`: measure only these (the ones a process holds once the model is split): every
     other unit runs untimed, or, when its tensors were freed (another process holds them),
     gives zeros shaped as its values were at capture (`Captured.values`); so pass the inputs
-    the model was captured on. Only the measured units' attributes are written."""
+    the model was captured on. Only the measured units' costs are returned."""
     if repeats < 1 or warmup < 0:
         raise ValueError(
             f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
@@ -315,5 +309,4 @@ def profile(
             None if units is None else (captured, set(units), target),
         )
         profiler.run(*example_inputs)
-    for name, stats in profiler.results.items():
-        captured.nodes[name].update(stats)
+    return dict(profiler.results)

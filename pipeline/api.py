@@ -342,8 +342,8 @@ class Pipeline:
 
     @property
     def graph(self) -> nx.DiGraph:
-        """The captured (and, once profiled, annotated) units the plan partitions, as a
-        networkx graph (`captured.graph`)."""
+        """The captured units the plan partitions, as a networkx graph (`captured.graph`;
+        their costs are `captured.costs`)."""
         return self._setup.require_plan().captured.graph
 
     # -- as the model would: parameters, optimizers, state dicts, checkpoints, train/eval --

@@ -7,6 +7,7 @@ on its devices (`load`) and runs steps; the local one with one thread per pipeli
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
-from partitioner import Captured, StageModule
+from partitioner import Captured, StageModule, UnitCosts
 from partitioner.saved_bytes import SavedBytes
 from pipeline.execution.compiled import (
     CompileOptions,
@@ -38,9 +39,6 @@ from pipeline.planning.microbatch import Microbatches, batch_size, merge_microba
 from pipeline.planning.planner import measure
 from pipeline.planning.replan import median_stage_times
 from scheduler import Schedule
-
-UNIT_COSTS = ("forward_time", "backward_time", "input_grad_time", "weight_grad_time",
-              "activation_bytes")  # what profiling gives each unit
 
 if TYPE_CHECKING:
     from pipeline.execution.distributed.context import DistContext
@@ -148,24 +146,28 @@ class Executor(ABC):
         return self.maximum(torch.tensor(median_stage_times(steps))).tolist()
 
     def measure_units(self, decision: Decision) -> Captured:
-        """A copy of `decision`'s captured model with every unit's profiled costs, each unit
+        """`decision`'s captured model with every unit's profiled costs, each unit
         measured by the processes that hold it (a process may have freed the others' tensors):
         this process times its held stages' units (partitioner.profile; on the inputs the
         model was captured on, the other units giving zeros of their captured shapes) and the
         figures are gathered (`maximum`: the slowest replica's). Every process calls it."""
-        units = decision.captured.copy()
+        captured = decision.captured
         held = {v for s in self.held() for v in decision.plan.stages[s]}
-        whole = held == set(units.order)
+        whole = held == set(captured.order)
         runner = None if self.compile is None else functools.partial(
             self.profiled_unit, splits=decision.schedule.splits_backward)
-        measure(units, decision.model, decision.example if whole else decision.capture.rows,
-                self.coordination.device, runner, units=None if whole else held)
+        costs = measure(captured, decision.model,
+                        decision.example if whole else decision.capture.rows,
+                        self.coordination.device, runner, units=None if whole else held)
+        none = UnitCosts()
         table = self.maximum(torch.tensor(
-            [[float(units.nodes[v].get(k, 0.0)) if v in held else 0.0 for k in UNIT_COSTS]
-             for v in units.order], dtype=torch.float64))
-        for v, row in zip(units.order, table.tolist(), strict=True):
-            units.nodes[v].update(zip(UNIT_COSTS, row, strict=True))
-        return units
+            [[c.forward, c.input_grad, c.weight_grad, c.activation_bytes] if v in held
+             else [0.0] * 4 for v in captured.order for c in (costs.get(v, none),)],
+            dtype=torch.float64))
+        return captured.with_costs({
+            v: dataclasses.replace(costs.get(v, none), forward=f, input_grad=i, weight_grad=w,
+                                   activation_bytes=a)
+            for v, (f, i, w, a) in zip(captured.order, table.tolist(), strict=True)})
 
     def setting_up(self) -> AbstractContextManager[None]:
         """The context planning and `load` run in (the distributed failure protocol)."""

@@ -3,28 +3,29 @@
 its forwards and backwards) that keep the rank's peak (parameters x optimizer factor + the
 held activations, at the peak the schedule's action order makes) under the memory limit.
 
-Prices come from the units' measurements (partitioner.activation_cost) summed over a stage:
-- "none": keeps ``kept_none`` bytes per microbatch, adds nothing;
-- "full": keeps ``kept_full`` (block inputs), adds ``added_full`` x (F + B) to B (the
+Prices come from the units' measurements (`PolicyCosts`, partitioner.activation_cost) summed
+over a stage:
+- "none": keeps ``kept["none"]`` bytes per microbatch, adds nothing;
+- "full": keeps ``kept["full"]`` (block inputs), adds ``added["full"]`` x (F + B) to B (the
   recomputation and the checkpoint's own work, measured);
-- "selective": keeps ``kept_selective``, adds ``added_selective`` x (F + B) to B (the
+- "selective": keeps ``kept["selective"]``, adds ``added["selective"]`` x (F + B) to B (the
   partial recomputation and the caching of the saved ops' outputs, measured);
 - "offload": keeps nothing on the device, adds the copy out to F and the copy back to B
   (``offload_time`` each way); on a CPU device (no ``offload_time``) it is "none".
 Under a split-backward schedule a recomputing stage's B recomputes and takes the input grads,
 its W the weight grads from what B computed (pipeline.execution.activations.graph: nothing is
-recomputed twice), which B keeps for W (``held_to_w_full`` / ``held_to_w_selective``). Peaks
+recomputed twice), which B keeps for W (``held_to_w``). Peaks
 count a microbatch's activations from its F to its last backward (B, or W under a split
 backward), and what its B keeps for its W from B to W."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import cast
 
-from partitioner import Plan
+from partitioner import Plan, PolicyCosts, UnitCosts
 from pipeline.planning.activation_policies import FULL, NONE, OFFLOAD, POLICIES, SELECTIVE
 from scheduler import Op, Schedule
 
@@ -65,46 +66,45 @@ class PolicyPrices:
                             dict(self.held_to_w))
 
 
-def priced(nodes: Any, stages: Sequence[Sequence[str]]) -> PolicyPrices | None:
-    """The prices of `stages` (unit names per stage) from the units' attributes (`nodes`, a
-    capture's node view) once priced (partitioner.activation_cost) and profiled; None
-    before."""
+def priced(costs: Mapping[str, UnitCosts], stages: Sequence[Sequence[str]]
+           ) -> PolicyPrices | None:
+    """The prices of `stages` (unit names per stage) from the units' `costs` once priced
+    (partitioner.activation_cost) and profiled; None before."""
     units = [v for stage in stages for v in stage]
-    if not units or not all("kept_none" in nodes[v] and "forward_time" in nodes[v]
-                            for v in units):
+    if not units or not all(v in costs and costs[v].policies is not None for v in units):
         return None
-
-    def total(stage: Sequence[str], key: str) -> float:
-        return float(sum(nodes[v][key] for v in stage))
+    unit = {v: (costs[v], cast(PolicyCosts, costs[v].policies)) for v in units}
 
     def shared(stage: Sequence[str]) -> float:  # values several blocks read: once a stage
         reads: dict[str, float] = {}
         for v in stage:
-            reads.update(nodes[v].get("shared_reads", {}))
+            reads.update(unit[v][1].shared_reads)
         return float(sum(reads.values()))
 
     def kept(policy: str) -> list[float]:  # every float input of a later stage needs grad
-        return [total(s, f"kept_{policy}") if k == 0
-                else total(s, f"kept_{policy}_later") + shared(s)
+        return [float(sum(unit[v][1].kept[policy] for v in s)) if k == 0
+                else float(sum(unit[v][1].kept_later[policy] for v in s)) + shared(s)
                 for k, s in enumerate(stages)]
 
-    def added(stage: Sequence[str], key: str) -> float:
-        return float(sum((nodes[v]["forward_time"] + nodes[v].get("backward_time", 0.0))
-                         * nodes[v][key] for v in stage))
+    def added(stage: Sequence[str], policy: str) -> float:
+        return float(sum((c.forward + c.backward) * p.added[policy]
+                         for c, p in (unit[v] for v in stage)))
+
+    def offload(stage: Sequence[str]) -> float:
+        return float(sum(unit[v][1].offload_time or 0.0 for v in stage))
 
     zero = [0.0] * len(stages)
-    on_host = all(nodes[v]["offload_time"] is None for v in units)  # a CPU device
-    offload = zero if on_host else [total(s, "offload_time") for s in stages]
+    on_host = all(p.offload_time is None for _, p in unit.values())  # a CPU device
+    moved = zero if on_host else [offload(s) for s in stages]
     kept_none = kept(NONE)
     return PolicyPrices(
         kept={NONE: kept_none, FULL: kept(FULL), SELECTIVE: kept(SELECTIVE),
               OFFLOAD: list(kept_none) if on_host else list(zero)},
-        forward={NONE: list(zero), FULL: list(zero), SELECTIVE: list(zero), OFFLOAD: offload},
-        backward={NONE: list(zero), FULL: [added(s, "added_full") for s in stages],
-                  SELECTIVE: [added(s, "added_selective") for s in stages],
-                  OFFLOAD: offload},
-        held_to_w={p: [float(sum(nodes[v].get(f"held_to_w_{p}", 0.0) for v in s))
-                       for s in stages] for p in RECOMPUTING},
+        forward={NONE: list(zero), FULL: list(zero), SELECTIVE: list(zero), OFFLOAD: moved},
+        backward={NONE: list(zero), FULL: [added(s, FULL) for s in stages],
+                  SELECTIVE: [added(s, SELECTIVE) for s in stages], OFFLOAD: moved},
+        held_to_w={p: [float(sum(unit[v][1].held_to_w[p] for v in s)) for s in stages]
+                   for p in RECOMPUTING},
     )
 
 

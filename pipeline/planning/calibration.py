@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from partitioner import Captured, Plan
+from partitioner import Captured, Plan, UnitCosts
 from pipeline.planning.costs import StageCosts, predict, replay
 from scheduler import Action, Op, Schedule, Timeline
 from scheduler.validate import dependencies
@@ -257,19 +257,15 @@ def measured_node_costs(captured: Captured, plan: Plan, measured: StageCosts) ->
     """A copy of `captured` whose unit times are scaled, stage by stage, so that each stage's
     forward and backward sums equal the measured ones: the profile's split of a stage among
     its units, the measurement's totals. Partition it to re-balance from measured costs."""
-    scaled = captured.copy()
+    costs = {v: captured.costs.get(v, UnitCosts()) for v in captured.order}
     for k, nodes in enumerate(plan.stages):
-        f_prof = sum(captured.nodes[v].get("forward_time", 0.0) for v in nodes)
-        b_prof = sum(captured.nodes[v].get("backward_time", 0.0) for v in nodes)
+        f_prof = sum(costs[v].forward for v in nodes)
+        b_prof = sum(costs[v].backward for v in nodes)
         f_ratio = measured.forward[k] / f_prof if f_prof > 0 else 1.0
         b_ratio = measured.backward[k] / b_prof if b_prof > 0 else 1.0
         for v in nodes:
-            node = scaled.nodes[v]
-            node["cost_source"] = "measured"  # no longer an estimate (partitioner.estimate)
-            node["forward_time"] = node.get("forward_time", 0.0) * f_ratio
-            for key in ("backward_time", "input_grad_time", "weight_grad_time"):
-                node[key] = node.get(key, 0.0) * b_ratio
-    return scaled
+            costs[v] = costs[v].scaled(f_ratio, b_ratio)
+    return captured.with_costs(costs)
 
 
 def gain(before: float, after: float) -> float:

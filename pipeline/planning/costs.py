@@ -10,7 +10,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from partitioner import Captured, Plan, partition
+from partitioner import Captured, Plan, UnitCosts, partition
 from pipeline.planning.activation_plan import PolicyPrices, priced
 from scheduler import Schedule, Timeline, simulate
 from scheduler.simulate import Summary, summarize
@@ -41,25 +41,17 @@ class StageCosts:
 
 
 def stage_costs(captured: Captured, plan: Plan) -> StageCosts:
-    """Sum a profiled capture's unit costs over each stage of `plan`. A node profiled without the
-    split (no input_grad_time) counts its whole backward as B."""
-    nodes = captured.nodes
-
-    def total(stage: list[str], key: str, default: str | None = None) -> float:
-        return float(
-            sum(nodes[v].get(key, nodes[v].get(default, 0.0) if default else 0.0) for v in stage)
-        )
-
+    """Sum a costed capture's `UnitCosts` over each stage of `plan` (a unit without costs
+    counts zero)."""
+    none = UnitCosts()
+    units = [[captured.costs.get(v, none) for v in s] for s in plan.stages]
     return StageCosts(
-        forward=[total(s, "forward_time") for s in plan.stages],
-        input_grad=[total(s, "input_grad_time", "backward_time") for s in plan.stages],
-        weight_grad=[
-            total(s, "weight_grad_time") if all("input_grad_time" in nodes[v] for v in s) else 0.0
-            for s in plan.stages
-        ],
-        activation_bytes=[total(s, "activation_bytes") for s in plan.stages],
+        forward=[float(sum(c.forward for c in s)) for s in units],
+        input_grad=[float(sum(c.input_grad for c in s)) for s in units],
+        weight_grad=[float(sum(c.weight_grad for c in s)) for s in units],
+        activation_bytes=[float(sum(c.activation_bytes for c in s)) for s in units],
         param_bytes=[float(p) for p in plan.stage_params],
-        prices=priced(captured.nodes, plan.stages),
+        prices=priced(captured.costs, plan.stages),
     )
 
 

@@ -30,6 +30,7 @@ from partitioner import Captured, CaptureError, capture, partition, profile, spl
 from partitioner.activation_cost import RunsOf, price_policies
 from partitioner.estimate import estimate
 from partitioner.rebind import rebind
+from partitioner.unit_costs import UnitCosts, with_policies
 from pipeline.planning.activation_plan import planned_activations
 from pipeline.planning.activation_policies import SELECTIVE_BUDGET, SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
@@ -131,17 +132,17 @@ def _as_meta(value: Any) -> Any:
 
 def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...],
             device: torch.device, runner: UnitRunner | None = None,
-            units: set[str] | None = None) -> None:
-    """Profile the captured units, or estimate them (FLOPs + bytes on meta,
+            units: set[str] | None = None) -> dict[str, UnitCosts]:
+    """The captured units' costs: profiled, or estimated (FLOPs + bytes on meta,
     partitioner.estimate) when the model is on the meta device. `runner(unit)`: what runs a
     unit when it is timed (its compiled form under ``compile=``; partitioner.profile).
     `units`: time only these (see partitioner.profile)."""
     if on_meta(model):
-        estimate(captured, example, device=device)
-    else:  # a meta model materialised since it was captured: time it on zeros of those shapes
-        real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
-                        if isinstance(t, torch.Tensor) and t.is_meta else t, example)
-        profile(captured, model, real, device=device, runner=runner, units=units)
+        return estimate(captured, example, device=device)
+    # A meta model materialised since it was captured: time it on zeros of those shapes.
+    real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
+                    if isinstance(t, torch.Tensor) and t.is_meta else t, example)
+    return profile(captured, model, real, device=device, runner=runner, units=units)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -284,7 +285,8 @@ class Planner:
             captured = profiled if profiled is not None else self._capture(inputs)
         part = None
         if how.leads:
-            part = self._partition(captured, schedule, first.example, profiled is not None, how)
+            captured, part = self._partition(captured, schedule, first.example,
+                                             profiled is not None, how)
         part = how.agree("the plan", part, {"schedule text": schedule_setting(schedule)})
         with how.phase("split of the model"):
             modules = tuple(split_model(captured, part.plan))
@@ -312,9 +314,10 @@ class Planner:
             return first, self._reusable(first)
         with how.phase("auto-planning (capture and profiling of the model)"):
             captured = self._capture(CaptureInputs(call_spec, _capture_rows(args, example)))
-            measure(captured, self.model, example, how.device, self.unit_runner)
+            captured = captured.with_costs(
+                measure(captured, self.model, example, how.device, self.unit_runner))
             if self.auto_activations:
-                self._price(captured, example)
+                captured = self._price(captured, example)
             auto = self._choose(captured, size, batch_size(example, "inputs"))
         profiled = captured if auto.microbatches == m else None  # reused: same microbatch
         if profiled is None:
@@ -330,7 +333,8 @@ class Planner:
         example = _first_microbatch(args, min(2 * self.ranks, batch_size(args, "inputs")))
         inputs = CaptureInputs(call_spec, _capture_rows(args, example))
         captured = self._capture(inputs)
-        measure(captured, self.model, example, how.device, self.unit_runner)
+        captured = captured.with_costs(
+            measure(captured, self.model, example, how.device, self.unit_runner))
         return Surveyed(captured, inputs, example)
 
     def _reusable(self, first: FirstBatch) -> Captured | None:
@@ -360,31 +364,35 @@ class Planner:
         log.info("hybridpipe: using microbatches=%d (2 x stages, capped by the batch)", m)
         return self._build(m)
 
-    def _price(self, captured: Captured, example: tuple[Any, ...]) -> None:
-        """Each activation policy's price on the units of `captured`, as the runtime runs it."""
+    def _price(self, captured: Captured, example: tuple[Any, ...]) -> Captured:
+        """`captured` (costed) with each activation policy's price on its units, as the
+        runtime runs it."""
         if self.block_runs is None:
             raise RuntimeError("checkpoint_activations=\"auto\" prices the policies with the "
                                "runtime's block runners: set Planner.block_runs first")
-        price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
-                       self.block_runs, self.price_threads)
+        prices = price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
+                                self.block_runs, self.price_threads)
+        return captured.with_costs(with_policies(captured.costs, prices))
 
     def _partition(self, captured: Captured, schedule: Schedule, example: tuple[Any, ...],
-                   profiled: bool, how: Coordination) -> Partition:
-        """(The leader) the partition, and the stage costs while it holds the whole model;
-        with checkpoint_activations="auto", the policy per stage in the plan."""
+                   profiled: bool, how: Coordination) -> tuple[Captured, Partition]:
+        """(The leader) the capture with its costs when they are needed, the partition, and
+        the stage costs while it holds the whole model; with checkpoint_activations="auto",
+        the policy per stage in the plan."""
         costed = self.balance == "profile" or self.auto_activations
         if costed and not profiled:
             with how.phase("profiling of the model"):
-                measure(captured, self.model, example, how.device, self.unit_runner)
+                captured = captured.with_costs(
+                    measure(captured, self.model, example, how.device, self.unit_runner))
                 if self.auto_activations:
-                    self._price(captured, example)
+                    captured = self._price(captured, example)
         with how.phase("partitioning of the model"):
             plan = partition(captured, schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if costed else None
             if self.auto_activations and costs is not None:
                 plan = planned_activations(plan, costs.prices, schedule, self.memory_limit,
                                            OPTIMIZER_FACTOR)
-        return Partition(plan, costs)
+        return captured, Partition(plan, costs)
 
     def _capture(self, inputs: CaptureInputs, method: str | None = None) -> Captured:
         """Capture the model called with the flat inputs `inputs.rows`, the user's dynamic dims
@@ -459,7 +467,10 @@ class Planner:
         """`decision` on a re-capture: its costs carried over when the units are the same,
         else partitioned again."""
         plan, costs = decision.plan, decision.costs
-        if not carry_over(decision.captured, captured):
+        carried = carry_over(decision.captured, captured)
+        if carried is not None:
+            captured = carried
+        else:
             if not isinstance(self.balance, str):
                 raise ValueError(
                     f"this batch changes {describe(decision.captured, changed)}; captured again "
@@ -469,8 +480,8 @@ class Planner:
                     "are of that capture), or balance='profile'/'parameters'"
                 )
             if self.balance == "profile":
-                measure(captured, self.model, decision.example, how.device,
-                        self.unit_runner)
+                captured = captured.with_costs(measure(
+                    captured, self.model, decision.example, how.device, self.unit_runner))
             plan = partition(captured, decision.schedule.num_stages, self.balance)
             costs = stage_costs(captured, plan) if self.balance == "profile" else None
         plan = with_activations_of(with_dims(plan, captured), decision.plan)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from partitioner import Captured
+from partitioner import Captured, UnitCosts
 from pipeline.planning.costs import StageCosts
 
 
@@ -42,11 +42,5 @@ def at_speeds(costs: StageCosts, speeds: Sequence[float]) -> StageCosts:
 
 def scaled_units(captured: Captured, factor: float) -> Captured:
     """A copy of `captured` whose unit times are multiplied by `factor` (marked measured)."""
-    scaled = captured.copy()
-    for v in scaled.order:
-        node = scaled.nodes[v]
-        node["cost_source"] = "measured"
-        for key in ("forward_time", "backward_time", "input_grad_time", "weight_grad_time"):
-            if key in node:
-                node[key] = node[key] * factor
-    return scaled
+    return captured.with_costs({v: captured.costs.get(v, UnitCosts()).scaled(factor, factor)
+                                for v in captured.order})

@@ -17,13 +17,6 @@ from partitioner import Captured
 
 Pairs = set[tuple[int, int]]  # (flat input index, dim)
 
-# What profiling writes on a graph's units (carried over to a re-captured graph).
-PROFILED = (
-    "forward_time", "backward_time", "input_grad_time", "weight_grad_time", "activation_bytes",
-    "measured_as",
-)
-
-
 def check_dims(dims: object) -> tuple[int, ...]:
     """`dynamic_dims` as given to Pipeline: a sequence of dims >= 1 (dim 0, the batch, is
     always dynamic) made dynamic in every input that has them."""
@@ -78,14 +71,13 @@ def _static(dims: tuple[Any, ...] | None, d: int) -> bool:
     return dims is not None and isinstance(dims[d], int)
 
 
-def carry_over(old: Captured, new: Captured) -> bool:
-    """Copy the profiled costs of `old`'s units onto `new`'s when both have the same units in
-    the same order (a re-capture with more dims dynamic); False when they differ."""
+def carry_over(old: Captured, new: Captured) -> Captured | None:
+    """`new` with `old`'s unit costs when both have the same units in the same order (a
+    re-capture with more dims dynamic; `new` as it is when `old` has none); None when they
+    differ."""
     if old.order != new.order:
-        return False
-    for name in old.order:
-        new.nodes[name].update({k: v for k, v in old.nodes[name].items() if k in PROFILED})
-    return True
+        return None
+    return new.with_costs(old.costs) if old.costs else new
 
 
 def with_dims(plan: Any, captured: Captured) -> Any:

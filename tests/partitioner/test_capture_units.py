@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import Captured, capture, partition, profile
+from partitioner import Captured, UnitCosts, capture, partition, profile
 from pipeline import Pipeline
 from pipeline.planning.microbatch import merge_microbatches
 from tests.support.real_models import SPECS, VOCAB, build, check_step, lm_loss
@@ -54,12 +54,13 @@ class Loop(nn.Module):
         return self.out(h)
 
 
-def _predictable_costs(graph: Captured, heavy: str) -> None:
+def _predictable_costs(graph: Captured, heavy: str) -> Captured:
     """Cost 1 for each call of the `heavy` module, 0.05 for every other unit."""
-    for v in graph.order:
-        node = graph.nodes[v]
-        cost = 1.0 if (node["module"] or "").split("@")[0] == heavy else 0.05
-        node.update(forward_time=cost / 3, backward_time=2 * cost / 3)
+    def unit(v: str) -> UnitCosts:
+        cost = 1.0 if (graph.nodes[v]["module"] or "").split("@")[0] == heavy else 0.05
+        return UnitCosts(forward=cost / 3, input_grad=2 * cost / 3)
+
+    return graph.with_costs({v: unit(v) for v in graph.order})
 
 
 def _stages_reading(pipe: Pipeline, param: nn.Parameter) -> list[int]:
@@ -80,7 +81,7 @@ def test_each_call_of_a_shared_module_is_a_unit_and_balances(name: str) -> None:
              if (graph.nodes[v]["module"] or "").split("@")[0] == heavy]
     assert len(calls) == 12, calls
     assert len({graph.nodes[v]["module"] for v in calls}) == 12  # one unit per call
-    _predictable_costs(graph, heavy)
+    graph = _predictable_costs(graph, heavy)
     plan = partition(graph, 4, "profile")
     # The optimum is at least max(total / 4, heaviest unit): within 1.2 of it. One unit
     # holding all 12 calls (the grouping before) was 12 / 3.2 = 3.8 times it.
@@ -121,19 +122,21 @@ def test_identical_blocks_share_one_measurement() -> None:
     model = build("gpt2")
     x, _ = SPECS["gpt2"].batch(4, 8)
     graph = capture(model, (), x)
-    profile(graph, model, (x["input_ids"], x["attention_mask"]), repeats=1, warmup=0)
+    graph = graph.with_costs(
+        profile(graph, model, (x["input_ids"], x["attention_mask"]), repeats=1, warmup=0))
     plan = partition(graph, 2, "profile")
     assert plan.shared["transformer_h_1"] == plan.shared["transformer_h_2"] == "transformer_h_0"
     assert "transformer_h_0" not in plan.shared and "lm_head" not in plan.shared
     for unit in ("transformer_h_1", "transformer_h_2"):
-        assert graph.nodes[unit]["forward_time"] == graph.nodes["transformer_h_0"]["forward_time"]
+        assert graph.costs[unit].forward == graph.costs["transformer_h_0"].forward
     assert "reuse the measurement" in str(plan)
 
 
 def test_albert_calls_share_one_measurement() -> None:
     model = albert(layers=4)
     graph = capture(model, (torch.randint(0, VOCAB, (2, 8)),))
-    profile(graph, model, (torch.randint(0, VOCAB, (2, 8)),), repeats=1, warmup=0)
+    graph = graph.with_costs(
+        profile(graph, model, (torch.randint(0, VOCAB, (2, 8)),), repeats=1, warmup=0))
     first = "albert_encoder_albert_layer_groups_0_albert_layers_0"
     shared = {v: m for v, m in partition(graph, 2, "profile").shared.items() if m == first}
     assert len(shared) == 3, shared

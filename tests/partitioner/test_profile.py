@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner import Captured, capture, partition, partition_chain, profile
+from partitioner import Captured, UnitCosts, capture, partition, partition_chain, profile
 from pipeline.app.models import GPT, mlp_stack, skewed_model
 
 
@@ -40,21 +40,23 @@ def test_profile_is_sandboxed_and_fills_costs() -> None:
     modes = {name: m.training for name, m in model.named_modules()}
     rng = torch.get_rng_state()
 
-    profile(graph, model, (x,), repeats=2, warmup=1)
+    costs = profile(graph, model, (x,), repeats=2, warmup=1)
 
+    assert not graph.costs  # the record is left as it was: profiling returns the costs
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert {name: m.training for name, m in model.named_modules()} == modes
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
+    assert set(costs) == set(graph.order)
     for v in graph.order:
-        node = graph.nodes[v]
-        assert node["forward_time"] > 0 and node["backward_time"] >= 0
-        assert node["activation_bytes"] >= 0
-    fc = graph.nodes["fc"]
-    assert fc["backward_time"] > 0 and "input_grad_time" in fc and "weight_grad_time" in fc
+        unit = costs[v]
+        assert unit.forward > 0 and unit.backward >= 0 and unit.source == "profile"
+        assert unit.activation_bytes >= 0
+    fc = costs["fc"]
+    assert fc.backward > 0 and fc.input_grad > 0 and fc.weight_grad >= 0
     # Linear keeps its input (6x8 float32) for the weight gradient; parameters are not counted.
-    assert fc["activation_bytes"] == 6 * 8 * 4
+    assert fc.activation_bytes == 6 * 8 * 4
 
 
 def test_profile_reports_progress() -> None:
@@ -72,19 +74,20 @@ def skewed_graph() -> Captured:
     to parameters, as on a CPU with small layers (deterministic, unlike a measurement)."""
     model = skewed_model(dim=16, cheap_blocks=8, head_hidden=512)
     graph = capture(model, (torch.randn(4, 16),))
-    for v in graph.order:
-        graph.nodes[v]["forward_time"] = 1.0 + graph.nodes[v]["param_bytes"] / 4096
-        graph.nodes[v]["backward_time"] = 2.0 * graph.nodes[v]["forward_time"]
-    return graph
+    nodes = graph.nodes
+
+    def unit(v: str) -> UnitCosts:  # a unit keeps what it hands on for its backward
+        forward = 1.0 + nodes[v]["param_bytes"] / 4096
+        return UnitCosts(forward=forward, input_grad=2.0 * forward,
+                         activation_bytes=float(nodes[v]["bytes"]))
+
+    return graph.with_costs({v: unit(v) for v in graph.order})
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_profile_balance_is_optimal_where_heuristics_are_not(p: int) -> None:
     graph = skewed_graph()
-    costs = [
-        graph.nodes[v]["forward_time"] + graph.nodes[v]["backward_time"]
-        for v in graph.order
-    ]
+    costs = [graph.costs[v].forward + graph.costs[v].backward for v in graph.order]
     sizes = partition_chain(costs, p)
     optimum = max(sum(costs[a:b]) for a, b in itertools.pairwise(itertools.accumulate([0, *sizes])))
     ours = partition(graph, p, "profile")
@@ -105,9 +108,8 @@ def test_faster_device_gets_more_work() -> None:
 def test_transfer_costs_move_cuts_to_small_tensors() -> None:
     model = skewed_model(dim=16, cheap_blocks=2, head_hidden=4096)
     graph = capture(model, (torch.randn(4, 16),))
-    for v in graph.order:
-        graph.nodes[v]["forward_time"] = 1.0
-        graph.nodes[v]["backward_time"] = 0.0
+    graph = graph.with_costs({v: UnitCosts(forward=1.0, activation_bytes=graph.nodes[v]["bytes"])
+                              for v in graph.order})
     free = partition(graph, 2)
     costly = partition(graph, 2, bandwidth=100.0, latency=1.0)
     # The head's hidden activation (4x4096 floats) is expensive to send: never cut there.
@@ -163,7 +165,7 @@ def test_partition_bad_inputs() -> None:
         partition(graph, 2, [1, 1, n - 2])
     with pytest.raises(ValueError, match="unknown balance 'flops'; use one of profile"):
         partition(graph, 2, "flops")
-    with pytest.raises(ValueError, match="call partitioner.profile"):
+    with pytest.raises(ValueError, match=r"captured.with_costs\(partitioner.profile"):
         partition(graph, 2)
     with pytest.raises(ValueError, match="device_speeds must be .* list of 2 numbers"):
         partition(graph, 2, "uniform", device_speeds=[1.0])

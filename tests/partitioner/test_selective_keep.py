@@ -67,10 +67,10 @@ def test_llama_layers_keep_at_most_half_of_none() -> None:
     x = spec.batch(4, 16)[0]["input_ids"]
     pipe = Pipeline(model, 2, microbatches=2, loss_fn=spec.loss_fn,
                     checkpoint_activations="auto", memory_limit=1e15, example_input=x)
-    nodes = pipe.captured.nodes
-    layers = [nodes[v] for v in pipe.captured.order
-              if v.startswith("model_layers_") and nodes[v].get("kept_none")]
+    priced = [pipe.captured.costs[v].policies for v in pipe.captured.order
+              if v.startswith("model_layers_")]
+    layers = [p for p in priced if p is not None and p.kept["none"]]
     assert len(layers) == 3
     for layer in layers:
-        assert layer["kept_full"] < layer["kept_selective"] <= 0.5 * layer["kept_none"]
-        assert 0 < layer["recompute_flops_selective"] < 0.5 * layer["recompute_flops_full"]
+        assert layer.kept["full"] < layer.kept["selective"] <= 0.5 * layer.kept["none"]
+        assert 0 < layer.recompute_flops["selective"] < 0.5 * layer.recompute_flops["full"]

@@ -12,7 +12,15 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import fx
 
-from partitioner import Captured, Plan, capture, partition, partition_chain, split_model
+from partitioner import (
+    Captured,
+    Plan,
+    UnitCosts,
+    capture,
+    partition,
+    partition_chain,
+    split_model,
+)
 from partitioner.solver import block_partition, evenly
 
 
@@ -112,7 +120,7 @@ def brute_force(graph: Captured, p: int, bandwidth: float, cap: float) -> float:
     out_node = next(v for v in flat.nodes if v.op == "output")
     outputs = {a.name for a in out_node.args[0]}
     input_users = {u.name for u in next(iter(flat.nodes)).users}
-    compute = [graph.nodes[v]["forward_time"] + graph.nodes[v]["backward_time"] for v in order]
+    compute = [graph.costs[v].forward + graph.costs[v].backward for v in order]
 
     def crossing(c: int) -> float:
         live = 0.0
@@ -152,9 +160,9 @@ def test_random_dags_partition_optimally_and_split_exactly(
     gm = random_dag_module(n, rng)
     x = torch.randn(4, dtype=torch.float64)
     graph = capture(gm, (x,))
-    for v in graph.order:
-        graph.nodes[v]["forward_time"] = float(rng.randint(0, 20))
-        graph.nodes[v]["backward_time"] = float(rng.randint(0, 20))
+    graph = graph.with_costs({  # a unit keeps what it hands on for its backward
+        v: UnitCosts(forward=float(rng.randint(0, 20)), input_grad=float(rng.randint(0, 20)),
+                     activation_bytes=float(graph.nodes[v]["bytes"])) for v in graph.order})
     nodes = len(graph.order)  # mix is traced through: 1-3 graph nodes per DAG node
     if p > nodes:
         with pytest.raises(ValueError, match=f"cannot split {nodes} nodes"):

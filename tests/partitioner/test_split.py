@@ -14,7 +14,7 @@ import torch
 import torchvision
 from torch import nn
 
-from partitioner import CaptureError, StageModule, capture, partition, split_model
+from partitioner import CaptureError, StageModule, UnitCosts, capture, partition, split_model
 from partitioner.capture import FRONT_ENDS
 from pipeline.app.models import GPT, SkipNet, TransformerBlock, mlp_stack
 
@@ -280,8 +280,8 @@ def test_every_front_end_returns_the_same_record(method: str) -> None:
     assert (captured.dynamic_dim_names is None) == (method != "export")
     with pytest.raises(dataclasses.FrozenInstanceError):
         captured.order = ()  # type: ignore[misc]
-    copied = captured.copy()
-    copied.nodes[captured.order[0]]["forward_time"] = 1.0
-    assert "forward_time" not in captured.nodes[captured.order[0]]
+    costed = captured.with_costs(dict.fromkeys(captured.order, UnitCosts(forward=1.0)))
+    assert costed.profiled and not captured.profiled and not captured.costs
+    assert costed.graph is captured.graph and "forward" not in captured.nodes[captured.order[0]]
     stages = split_model(captured, partition(captured, 2, "uniform"))
     assert torch.equal(run_chain(stages, (x,)), model(x))

@@ -1,9 +1,9 @@
 """A memoizing stand-in for `pipeline.planning.planner.capture`, for tests that build many
 Pipelines on one model object: torch.export takes seconds a call (resnet18 ~2 s, GPT-2 more
 under four processes), so the first call per (model object, input structure, options, leaf
-shapes and dtypes, autocast dtype) captures for real and every later one gets a copy of that
-record (`Captured.copy`, so attributes written by profiling cannot leak from one Pipeline into
-the next). The capture reads the model's own parameters, which is why the key is the model
+shapes and dtypes, autocast dtype) captures for real and every later one gets that record
+(frozen: profiling returns costs and makes a new record, so nothing leaks from one Pipeline
+into the next). The capture reads the model's own parameters, which is why the key is the model
 object, not its class."""
 
 from __future__ import annotations
@@ -32,6 +32,6 @@ def memo_capture() -> Capture:
                torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
         if key not in captured:
             captured[key] = partitioner.capture(model, args, kwargs, **options)
-        return captured[key].copy()
+        return captured[key]  # a frozen record: costing it makes another
 
     return capture

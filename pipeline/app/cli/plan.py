@@ -112,7 +112,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     profiled_batch = int(inputs[0].shape[0])
     progress(f"capturing and profiling {args.model} on microbatches of {profiled_batch} ...")
     captured = capture(model, inputs)
-    profile(captured, model, inputs, device=args.device)
+    captured = captured.with_costs(profile(captured, model, inputs, device=args.device))
     result = search(
         captured,
         world_size=args.world_size,

@@ -107,7 +107,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     if args.balance == "profile":
         started = time.perf_counter()
         progress(f"profiling on {args.device} ({args.repeats} timed runs per node) ...")
-        profile(captured, model, inputs, device=args.device, repeats=args.repeats)
+        captured = captured.with_costs(
+            profile(captured, model, inputs, device=args.device, repeats=args.repeats))
         progress(f"profiled in {time.perf_counter() - started:.1f} s")
     plan = partition(captured, args.stages, args.balance, bandwidth=args.bandwidth)
     print(plan)

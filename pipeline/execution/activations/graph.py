@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from partitioner.activation_cost import BlockFigures
 from partitioner.blocks import BlockChain
 from partitioner.selective_keep import Candidate, KeepPlan, choose, keep_plan, op_flops
 from pipeline.execution.activations.recompute import (
@@ -55,7 +56,7 @@ from pipeline.execution.compiled.runner import (
     RegionRunner,
     _gate,
 )
-from pipeline.planning.activation_policies import FULL, Policy, Selective
+from pipeline.planning.activation_policies import FULL, SELECTIVE, Policy, Selective
 
 log = logging.getLogger("hybridpipe")
 # "selective": the plan each traced forward graph keeps (the pricing reads its FLOPs).
@@ -367,7 +368,7 @@ def _held_to_w(runner: RecomputeRunner | None) -> float:
 
 
 def block_runs(module: fx.GraphModule, save: Sequence[Any], budget: float | None
-               ) -> tuple[dict[str, Callable[..., Any]], Callable[[], dict[str, float]]]:
+               ) -> tuple[dict[str, Callable[..., Any]], Callable[[], BlockFigures]]:
     """A block's forward as each recompute policy runs it (for partitioner.activation_cost:
     the code the runtime runs), and, from the last calls, the recompute FLOPs of "full" and
     "selective" (of the candidate ops, per the last "selective" plan) and the bytes each
@@ -379,11 +380,11 @@ def block_runs(module: fx.GraphModule, save: Sequence[Any], budget: float | None
     selective, runner = graph_runners(module, Selective(tuple(save), budget), untracked,
                                       False, "priced block")
 
-    def figures() -> dict[str, float]:
+    def figures() -> BlockFigures:
         plan = None if runner is None else runner.plan or runner.fallback.plan
-        return {"recompute_flops_full": 0.0 if plan is None else plan.full_recompute_flops,
-                "recompute_flops_selective": 0.0 if plan is None else plan.recompute_flops,
-                "held_to_w_full": _held_to_w(full_runner),
-                "held_to_w_selective": _held_to_w(runner)}
+        return BlockFigures(
+            recompute_flops={FULL: 0.0 if plan is None else plan.full_recompute_flops,
+                             SELECTIVE: 0.0 if plan is None else plan.recompute_flops},
+            held_to_w={FULL: _held_to_w(full_runner), SELECTIVE: _held_to_w(runner)})
 
     return {"full": full, "selective": selective}, figures

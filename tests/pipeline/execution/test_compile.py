@@ -381,12 +381,12 @@ def test_balance_profiles_compiled_units() -> None:
     pipe = Pipeline(make_model(), 2, microbatches=2, loss_fn=lm_loss,
                     compile={"backend": slow}, example_input=x)
     assert slow.calls > 0  # planning ran compiled code
-    blocks = {n: d for n, d in pipe.captured.nodes.items() if n.startswith("blocks")}
+    blocks = {n: c for n, c in pipe.captured.costs.items() if n.startswith("blocks")}
     assert len(blocks) == 4
-    for name, d in blocks.items():
+    for name, c in blocks.items():
         # F: one forward graph call; backward: the whole backward graph; B: the input-grad one.
-        assert d["forward_time"] >= delay, name
-        assert d["backward_time"] >= delay and d["input_grad_time"] >= delay, name
+        assert c.forward >= delay, name
+        assert c.backward >= delay and c.input_grad >= delay, name
     costs = pipe.profiled_costs()
     assert all(f >= 2 * delay for f in costs.forward), costs.forward  # two blocks a stage
     stats = _stats(pipe)

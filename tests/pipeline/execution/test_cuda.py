@@ -96,8 +96,9 @@ def test_activation_policies_on_cuda(policy: str) -> None:
     if policy == "offload":
         assert all(m.peak == 0 for m in meters.values())
     if policy == "auto":
-        units = pipe.captured.nodes
-        assert all(units[v]["offload_time"] is not None for v in pipe.captured.order)
+        units = pipe.captured.costs
+        assert all(units[v].policies is not None and units[v].policies.offload_time is not None
+                   for v in pipe.captured.order)
 
 
 def test_offload_copies_on_a_side_stream_and_frees_the_device() -> None:

@@ -103,11 +103,11 @@ def test_prices_of_a_transformer_block() -> None:
     model = make_model()
     pipe = Pipeline(model, 2, microbatches=2, loss_fn=lm_loss, example_input=x,
                     checkpoint_activations="auto", memory_limit=1e12)
-    nodes = pipe.captured.nodes
-    block = nodes["blocks_1"]
+    block = pipe.captured.costs["blocks_1"].policies
+    assert block is not None
     rows, seq, dim = 2, x.shape[1], 16
-    assert block["kept_full"] == rows * seq * dim * 8
-    assert block["kept_full"] < block["kept_selective"] <= 0.5 * block["kept_none"]
+    assert block.kept["full"] == rows * seq * dim * 8
+    assert block.kept["full"] < block.kept["selective"] <= 0.5 * block.kept["none"]
     prices = stage_costs(pipe.captured, pipe.plan).prices
     assert prices is not None and prices.kept["offload"] == prices.kept["none"]  # on CPU
 
@@ -155,9 +155,10 @@ def test_a_split_backward_holds_what_b_keeps_for_w() -> None:
     x, _ = token_batch(0, rows=4)
     pipe = Pipeline(make_model(), 2, microbatches=2, loss_fn=lm_loss, example_input=x,
                     checkpoint_activations="auto", memory_limit=1e12)
-    block = pipe.captured.nodes["blocks_1"]
-    assert block["kept_full"] < block["held_to_w_full"] <= 2 * block["kept_none"]
-    assert block["held_to_w_selective"] > 0
+    block = pipe.captured.costs["blocks_1"].policies
+    assert block is not None
+    assert block.kept["full"] < block.held_to_w["full"] <= 2 * block.kept["none"]
+    assert block.held_to_w["selective"] > 0
     prices = PolicyPrices(kept={"full": [1.0, 1.0]}, forward={}, backward={},
                           held_to_w={"full": [10.0, 10.0]})
     # ZB-H1, rank 1: F0 B0 F1 B1 W0 ...: two microbatches' kept bytes and their B's; rank 0:

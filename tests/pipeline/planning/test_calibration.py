@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partitioner import capture, partition
+from partitioner import UnitCosts, capture, partition
 from pipeline import Pipeline
 from pipeline.app.models import ResidualMLP, mlp_stack
 from pipeline.planning.calibration import (
@@ -49,9 +49,8 @@ def test_calibration_recovers_compute_overhead_and_latency(name: str) -> None:
     assert cal.overhead == pytest.approx(0.25) and cal.latency == pytest.approx(1.5)
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     graph = capture(model, (torch.randn(1, 2),))
-    for v in graph.order:
-        graph.nodes[v].update(forward_time=1.0, backward_time=2.0, input_grad_time=1.0,
-                              weight_grad_time=1.0)
+    graph = graph.with_costs(
+        dict.fromkeys(graph.order, UnitCosts(forward=1.0, input_grad=1.0, weight_grad=1.0)))
     profiled = stage_costs(graph, partition(graph, 2, "uniform"))
     costs = calibrated_costs(cal, profiled)
     predicted = predict(schedule, costs, latency=cal.latency, overhead=cal.overhead)
@@ -74,8 +73,8 @@ def test_prediction_is_the_median_step_not_the_step_of_median_figures() -> None:
     cal = calibrate(schedule, traces)
     assert len(cal.step_calibrations) == 3 and cal.latency == pytest.approx(0.1)
     graph = capture(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), (torch.randn(1, 2),))
-    for v in graph.order:
-        graph.nodes[v].update(forward_time=1.0, backward_time=2.0)
+    # Profiled without the B/W split: the whole backward counts as B.
+    graph = graph.with_costs(dict.fromkeys(graph.order, UnitCosts(forward=1.0, input_grad=2.0)))
     profiled = stage_costs(graph, partition(graph, 2, "uniform"))
     predicted = predict_calibrated(schedule, cal, lambda c: calibrated_costs(c, profiled))
     steps = sorted(t.step_time for t in traces)
@@ -100,8 +99,8 @@ def test_calibration_scales_the_simulated_step_to_the_measured_one() -> None:
     shared = Timeline(late, trace.num_ranks, trace.splits_backward, trace.name)
     cal = calibrate(schedule, [shared])
     graph = capture(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), (torch.randn(1, 2),))
-    for v in graph.order:
-        graph.nodes[v].update(forward_time=1.0, backward_time=2.0)
+    # Profiled without the B/W split: the whole backward counts as B.
+    graph = graph.with_costs(dict.fromkeys(graph.order, UnitCosts(forward=1.0, input_grad=2.0)))
     profiled = stage_costs(graph, partition(graph, 2, "uniform"))
     costs = calibrated_costs(cal, profiled)
     simulated = predict(schedule, costs, latency=cal.latency, overhead=cal.overhead)
@@ -117,9 +116,8 @@ def test_calibration_scales_the_simulated_step_to_the_measured_one() -> None:
 def test_rebalance_proposal_follows_the_measured_costs() -> None:
     model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
     graph = capture(model, (torch.randn(1, 2),))
-    for v in graph.order:
-        graph.nodes[v].update(forward_time=1.0, backward_time=2.0, input_grad_time=1.0,
-                              weight_grad_time=1.0)
+    graph = graph.with_costs(
+        dict.fromkeys(graph.order, UnitCosts(forward=1.0, input_grad=1.0, weight_grad=1.0)))
     plan = partition(graph, 2, "uniform")
     schedule = build_schedule("1f1b", 2, 4)
     trace = measured_like("1f1b", [9.0, 3.0], o=0.0, latency=0.0)  # stage 0 is 3x slower

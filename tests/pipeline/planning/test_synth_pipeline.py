@@ -116,13 +116,15 @@ def test_autoplan_synthesis_beats_its_generators_and_stops_at_the_cap() -> None:
     """Within the byte cap the synthesised candidate is never slower than a generator of the
     same (pp, m, v=1) that fits it (its in-flight limit comes from the same bytes); past
     SYNTH_MAX_CELLS the planner says it did not search."""
+    from partitioner import UnitCosts
     from pipeline.planning.autoplan import SYNTH_MAX_CELLS, search
     from tests.support.graphs import synthetic_graph
 
     graph = synthetic_graph()
     order = graph.order
-    for node in (order[0], order[-1]):  # a heavy embedding and head
-        graph.nodes[node].update(forward_time=3.0, input_grad_time=4.0, weight_grad_time=1.5)
+    heavy = UnitCosts(forward=3.0, input_grad=4.0, weight_grad=1.5, activation_bytes=1000.0)
+    # A heavy embedding and head.
+    graph = graph.with_costs({**graph.costs, order[0]: heavy, order[-1]: heavy})
     plan = search(graph, world_size=4, pp=[4], batch_size=64, profiled_batch=4,
                   microbatches=[8, 16], virtual_stages=[1], memory_limit=5e4, keep=100)
     synth = [c for c in plan.candidates if c.schedule == "synth"]
