@@ -350,7 +350,9 @@ class Pipeline:
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The model's parameters (the stages share them); under torch.distributed, once set
-        up, only this process's stages' parameters."""
+        up, only this process's stages' parameters. An optimizer built from them at any time
+        trains the weights that run: a model built on meta keeps these objects when its
+        weights are made or loaded (docs/big-models.md)."""
         return (p for _, p in self.named_parameters(recurse=recurse))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed import DistContext, wire
 from pipeline.execution.distributed.dtensors import laid_out_as
+from pipeline.execution.materialize import fill_in_place
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -145,7 +146,9 @@ def load_state_dict(
     for module in stage_modules.values():
         own = module.state_dict(keep_vars=True)
         part = {k: laid_out_as(own[k], state_dict[k]) for k in own if k in state_dict}
-        on_meta = any(t.is_meta for t in own.values())
+        fill_in_place(own, part)  # the objects kept: an optimizer over them trains them
+        on_meta = any(t.is_meta for k, t in module.state_dict(keep_vars=True).items()
+                      if k in part)
         with torch.no_grad():
             # strict=False: the stage's own keys are a subset of the whole model's, checked above.
             module.load_state_dict(part, strict=False, assign=on_meta)

@@ -7,13 +7,17 @@ in its subtree (children before parents, as ``model.apply`` does: a parent may r
 its children's weights, as Hugging Face's GPT-2 scales ``c_proj.weight``), each under torch's
 RNG seeded from the seed and the module's qualified name: a parameter gets the same values at
 any pipeline layout, and in one process. A tensor the initialisation left (partly) unwritten
-is a ValueError naming it: never ``to_empty`` garbage. The new tensors replace the meta ones in
-the model, the stage modules and the captured graph modules (which hold them in containers of
-their own; swapping storage in place is refused while capture's fake-tensor memo holds weak
-references). Only the meta tensors are written: while a module's initialisation runs, the
-other tensors under it (loaded from a state dict already) are stood in for by meta ones, so
-filling the non-persistent buffers a checkpoint lacks (Hugging Face's rotary ``inv_freq``)
-leaves the loaded weights alone.
+is a ValueError naming it: never ``to_empty`` garbage. The meta tensor objects take the new
+values in place (``torch.utils.swap_tensors``; partitioner.rebind), so the model, the stage
+modules, the captured graph modules and an optimizer built from ``pipe.parameters()`` before
+the first step all hold them. Where torch refuses the swap (a weak reference of the user's to a
+parameter), the new tensor replaces the meta one in every module holding it, and an optimizer
+step over the meta one is an error saying what to do (pipeline.execution.replaced). Only the
+meta tensors are written: while a module's initialisation runs, the other tensors under it
+(loaded from a state dict already) are stood in for by meta ones, so filling the
+non-persistent buffers a checkpoint lacks (Hugging Face's rotary ``inv_freq``) leaves the
+loaded weights alone. Loading a state dict into meta tensors keeps the objects the same way
+(`fill_in_place`).
 
 A module whose initialisation draws random numbers for tensors on stages of different processes
 would draw differently (the other process's meta tensors consume none); capture keeps a leaf
@@ -26,14 +30,16 @@ step (pipeline.execution.executor)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from partitioner.rebind import rebind
+from partitioner.rebind import rebind, swap_in
+from pipeline.execution.replaced import replaced
 
 InitFn = Callable[[nn.Module], Any]
 INIT_DEFAULT = "reset_parameters"
@@ -119,7 +125,8 @@ def materialize(
 ) -> list[str]:
     """Give every meta parameter and buffer that `modules` hold storage on `device` (one for
     all, or one per module: a tensor two modules hold goes to the first's) and its initial
-    values (see the module docstring); returns their names. `model` is the whole model they
+    values (see the module docstring); returns their names. The tensor objects are kept
+    (their contents replaced in place) where torch allows it. `model` is the whole model they
     come from (it names the tensors and owns the modules to initialise); `holders`: other
     modules holding the same tensors (the captured graph modules), updated too."""
     init = resolve_init(model, init_fn)
@@ -133,7 +140,7 @@ def materialize(
     if not olds:
         return []
     holders = [model, *modules, *holders]
-    made = rebind(holders, fresh)
+    made = _replace(holders, olds, fresh)
     targets = {id(t): t for t in made}
     versions = {key: t._version for key, t in targets.items()}
     below: dict[int, torch.device] = {}  # module id -> device of a target in its subtree
@@ -149,9 +156,23 @@ def materialize(
         _check_written(model, targets, versions, init_fn)
     except ValueError:
         # Back on meta: nothing half-made is left, and a retry starts afresh.
-        rebind(holders, {id(t): old for t, old in zip(made, olds.values(), strict=True)})
+        _replace(holders, {id(t): t for t in made},
+                 {id(t): _fresh(old, torch.device("meta"))
+                  for t, old in zip(made, olds.values(), strict=True)})
         raise
     return _names(model, set(targets))
+
+
+def _replace(holders: Sequence[nn.Module], olds: dict[int, Tensor], news: dict[int, Tensor]
+             ) -> list[Tensor]:
+    """Each of `olds` replaced by its new tensor in `news` (same keys): in place where torch
+    allows it (partitioner.rebind.swap_in: an optimizer built from the parameters trains the
+    new values), else rebound in `holders`, and then an optimizer step over the old parameter
+    raises (`replaced`). Returns the tensors now holding the new values, in `olds`' order."""
+    unswapped = {key: news[key] for key, old in olds.items() if not swap_in(old, news[key])}
+    rebind(holders, unswapped)
+    replaced([old for key, old in olds.items() if key in unswapped])
+    return [unswapped.get(key, old) for key, old in olds.items()]
 
 
 @contextmanager
@@ -186,10 +207,26 @@ def _only(module: nn.Module, targets: dict[int, Tensor]) -> Iterator[None]:
             slots[field] = t
 
 
-def _fresh(t: Tensor, device: torch.device) -> Tensor:
-    """A new tensor like `t` (its class, requires_grad and attributes) on `device`; floating
-    ones filled with NaN, so what an init leaves unwritten shows."""
-    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+def fill_in_place(tensors: Mapping[str, Tensor], values: Mapping[str, Tensor]) -> None:
+    """The meta ones of `tensors` about to be loaded from `values` (by key) given storage in
+    place, on the value's device and in its dtype (what loading with ``assign=True`` gives),
+    so the objects stay those the model, its stages and an optimizer hold; loading then copies
+    into them. One torch will not swap stays on meta (loading assigns a new one; see
+    `_replace`)."""
+    for key, t in tensors.items():
+        value = values.get(key)
+        if (value is None or not t.is_meta or isinstance(t, DTensor)
+                or isinstance(value, DTensor)):
+            continue
+        if not swap_in(t, _fresh(t, value.device, value.dtype)):
+            replaced([t])
+
+
+def _fresh(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A new tensor like `t` (its class, requires_grad and attributes) on `device` (in
+    `dtype`, else `t`'s); floating ones filled with NaN, so what an init leaves unwritten
+    shows."""
+    new = torch.empty(t.shape, dtype=dtype or t.dtype, device=device)
     if new.is_floating_point() or new.is_complex():
         new.fill_(float("nan"))
     if isinstance(t, nn.Parameter):
