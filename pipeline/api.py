@@ -27,6 +27,7 @@ from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision, warn_low_precision_parameters
 from pipeline.execution.program import LossFn
+from pipeline.execution.stage_io import check_loss_fn
 from pipeline.execution.timeouts import resolve_compile_timeout, resolve_timeout
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
@@ -151,7 +152,7 @@ class Pipeline:
         self.stages = check_settings(
             stages, microbatches, virtual_stages, memory_limit, data_parallel
         )
-        self.loss_fn = loss_fn
+        self.loss_fn = check_loss_fn(loss_fn)
         self.grad_accumulation = check_grad_accumulation(grad_accumulation)
         self.checkpoint_activations = check_policies(checkpoint_activations, memory_limit)
         self.timeout = resolve_timeout(timeout)
