@@ -29,6 +29,7 @@ from pipeline.execution.compiled import (
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
+from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.stage_code import StageCode, adopt
 from pipeline.execution.stage_io import weighted_loss
@@ -80,6 +81,17 @@ class Executor(ABC):
                 "or None to compile")
             return module
         return compiled_stage(module, self.compile, self.compile_stats, splits=splits)
+
+    @property
+    def processes(self) -> Processes:
+        """The job's processes as checkpoints, elastic training and metrics see them (here
+        this one, running every pipeline rank; pipeline.execution.processes)."""
+        return Processes(len(self.devices), self.devices[0])
+
+    @property
+    def rank_devices(self) -> dict[int, torch.device]:
+        """Pipeline rank -> device, for the pipeline ranks this process runs."""
+        return dict(enumerate(self.devices))
 
     @property
     def threads_on_cpu(self) -> bool:

@@ -18,12 +18,11 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from partitioner.capture import call_structure, check_inputs
 from partitioner.exported import flat_inputs
 from pipeline.execution.activations.graph import block_runs
-from pipeline.execution.distributed.agreement import Agreement
-from pipeline.execution.distributed.context import job_agreement, process_device
+from pipeline.execution.choose import Job, job_before_layout
 from pipeline.execution.executor import Executor
 from pipeline.execution.program import LossFn
 from pipeline.planning.costs import StageCosts
-from pipeline.planning.decision import Coordination, Decision, Surveyed
+from pipeline.planning.decision import Decision, Surveyed
 from pipeline.planning.layout import LayoutChoice, check_layout_settings, choose_layout
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size, tensor_leaves
 from pipeline.planning.planner import Planner
@@ -75,9 +74,8 @@ class Setup:
         planner.block_runs = block_runs  # the policies are priced as the runtime runs them
         if executor.threads_on_cpu:  # the ranks share this process's interpreter lock
             planner.price_threads = len(executor.devices)
-        ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(
-            stages=stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
+            stages=stages, data_parallel=executor.processes.data_parallel,
             schedule=schedule, built=planner.schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, loss_fn=loss_fn, model=model, shard=executor.shard,
         ))
@@ -216,17 +214,16 @@ def auto_layout(
     microbatches: object, virtual_stages: object, data_parallel: object,
     memory_limit: float | None, leaf_modules: tuple[type, ...] | None, capture_method: str,
     dynamic_dims: Sequence[int],
-) -> tuple[LayoutChoice, Agreement]:
+) -> tuple[LayoutChoice, Job]:
     """stages="auto" (pipeline.planning.layout): the layout chosen on this process's device
-    through the Pipeline's setup agreement, made here (the distributed executor takes it)."""
+    by the job's processes, met here through the Pipeline's setup agreement (the distributed
+    executor takes it over)."""
     check_layout_settings(example_input, schedule=schedule, microbatches=microbatches,
                           data_parallel=data_parallel)
-    agreement = job_agreement(timeout)
-    how = Coordination(leads=agreement.rank == 0, agree=agreement.sync, device=process_device(),
-                       keeps_whole_model=False, phase=agreement.phase)
+    job = job_before_layout(timeout)
     choice = choose_layout(
-        model, example_input, how, world_size=agreement.world_size, rank=agreement.rank,
+        model, example_input, job.coordination, world_size=job.world_size, rank=job.rank,
         schedule=str(schedule), virtual_stages=virtual_stages, memory_limit=memory_limit,
         leaf_modules=leaf_modules, capture_method=capture_method, dynamic_dims=dynamic_dims,
     )
-    return choice, agreement
+    return choice, job

@@ -65,6 +65,7 @@ from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor, meta_message, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
+from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.decision import Coordination, Decision
@@ -122,6 +123,14 @@ class DistributedExecutor(Executor):
         self.last_move: MoveReport | None = None  # of the last adopted decision that moved
 
     measures_rank_speeds = True  # one process (one device) per pipeline rank
+
+    @property
+    def processes(self) -> Processes:
+        return self.context
+
+    @property
+    def rank_devices(self) -> dict[int, torch.device]:
+        return {self.layout.pp_rank: self.context.device}
 
     # -- set-up -----------------------------------------------------------------------------------
 
