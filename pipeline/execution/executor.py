@@ -31,7 +31,7 @@ from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
 from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
-from pipeline.execution.stage_code import StageCode, adopt
+from pipeline.execution.stage_code import StageCode, take_code
 from pipeline.execution.stage_io import weighted_loss
 from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.activation_policies import Policy, stage_policies
@@ -249,7 +249,7 @@ class Executor(ABC):
         the other train/eval mode): the same modules, parameters and buffers, other code."""
         held = self.held()
         for s, module in held.items():
-            adopt(module, codes[s], self.devices[self._schedule.placement[s]])
+            take_code(module, codes[s], self.devices[self._schedule.placement[s]])
         for runtime in self._runtimes():  # a compiled stage is compiled from the new code
             runtime.restage({
                 s: self.runnable(held[s], self._schedule.splits_backward) for s in runtime.stages

@@ -113,10 +113,6 @@ class Setup:
         decision = self.decision
         return decision.microbatches if decision is not None else self.planner.microbatches
 
-    def adopt(self, decision: Decision) -> None:
-        """Run `decision` from the next call on (the executor adopts it)."""
-        self.executor.adopt(decision)
-
     def costs(self) -> StageCosts:
         """The decision's per-stage profiled costs; when they were not profiled up front, every
         unit is measured now by the processes holding it (under torch.distributed every
@@ -126,7 +122,7 @@ class Setup:
             with self.executor.precision.planning(self.executor.devices):
                 units = self.executor.measure_units(decision)
             decision = self.planner.with_units(decision, units)
-            self.adopt(decision)
+            self.executor.adopt(decision)
         assert decision.costs is not None  # with_units sets them
         return decision.costs
 
@@ -200,7 +196,7 @@ class Setup:
             if new.captured is not decision.captured:
                 self.load(new)
             else:
-                self.adopt(new)
+                self.executor.adopt(new)
             decision = new
         for part in split.parts:
             check_inputs(decision.captured, part)

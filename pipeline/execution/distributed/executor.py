@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
-from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_and_adopt
+from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_then_rebuild
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.dtensors import local
@@ -179,7 +179,7 @@ class DistributedExecutor(Executor):
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
         """The units whose pipeline rank changes move with their gradients and optimizer
         state, then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
-        self.last_move = move_and_adopt(self.context, self.sharding, self.optimizers, old, new,
+        self.last_move = move_then_rebuild(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
 
     def maximum(self, values: Tensor) -> Tensor:
