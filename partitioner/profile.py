@@ -7,13 +7,10 @@ backward - B. Timing the weight gradient alone would be wrong for a composite no
 several layers): the weights of its inner layers need backprop through the block, so it costs
 nearly the whole backward, while B has already done that walk when W runs.
 
-Each node is run on its real inputs from one pass over the example input. Every timing (the
-forward, the whole backward, the input-grad walk) first runs `warmup` times untimed (the pass's
-own run does not count), so no unit, the first one included, pays for a cold start inside its
-figure; then it is timed `repeats` times or until `BUDGET` seconds have been timed (a unit that
-takes longer is timed once: its noise is small next to it), and the median is kept. Units of
-the same ops on inputs of the same shapes (see `signature`) are measured once and share the
-figure, so identical layers cost exactly the same and balance evenly. Everything happens
+Each node is run on its real inputs from one pass over the example input, after `warmup` runs
+(the pass itself is the forward's first), `repeats` times or until `BUDGET` seconds have been
+timed (a unit that takes longer is timed once: its noise is small next to it); the median is
+kept. Units of the same ops and shapes (see `signature`) are measured once. Everything happens
 in a sandbox (see `sandbox.py`), so the model's parameters, buffers, .training flags and RNG
 state are unchanged afterwards."""
 
@@ -32,7 +29,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from partitioner.captured import Captured
-from partitioner.exported import retarget, unit_item
+from partitioner.exported import retarget
 from partitioner.probe import probe
 from partitioner.sandbox import Sandbox, sandbox
 from partitioner.unit_costs import UnitCosts
@@ -102,33 +99,13 @@ def signature(unit: nn.Module, inputs: Any) -> str:
     graph values by position and constants as written, each parameter, buffer or submodule
     it reads by class and shapes) and the shapes and dtypes of the inputs it is given. Blocks
     of one class with the same shapes (GPT-2's layers, ALBERT's shared layer at each call)
-    have the same signature, whatever their module paths: `profile` measures one of them.
-    Inputs are named by their flat position among the given leaves, whether a unit receives
-    a value itself (the first unit: the model's input) or as an item of the tuple an earlier
-    unit handed on (`unit_item`, no work of its own): the first of eight identical layers is
-    identical to the others."""
-    leaves = tree_flatten(inputs)[0]
-    parts = [_describe(leaf) for leaf in leaves]
+    have the same signature, whatever their module paths: `profile` measures one of them."""
+    parts = [_describe(leaf) for leaf in tree_flatten(inputs)[0]]
     if not isinstance(unit, fx.GraphModule):
         return "\n".join([_describe(unit), *parts])
-    given = list(inputs[0]) if isinstance(inputs, tuple) and inputs and isinstance(
-        inputs[0], tuple | list) else []
     position: dict[str, str] = {}
-    held: dict[str, tuple[int, Any]] = {}  # placeholder -> (its first leaf's position, value)
-    first = ops = 0
-    for node in unit.graph.nodes:
-        if node.op == "placeholder":
-            value = given[len(held)] if len(held) < len(given) else None
-            held[node.name] = (first, value)
-            position[node.name] = f"in{first}"
-            first += len(tree_flatten(value)[0])
-            continue
-        item = _item_of(node, held)
-        if item is not None:
-            position[node.name] = f"in{item}"
-            continue
-        position[node.name] = f"%{ops}"
-        ops += 1
+    for i, node in enumerate(unit.graph.nodes):
+        position[node.name] = f"%{i}"
         if node.op in ("get_attr", "call_module"):
             what = _describe(unit.get_submodule(str(node.target)) if node.op == "call_module"
                              else _fetch(unit, str(node.target)))
@@ -137,20 +114,6 @@ def signature(unit: nn.Module, inputs: Any) -> str:
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: position[a.name])
         parts.append(f"{node.op} {what} {args}")
     return "\n".join(parts)
-
-
-def _item_of(node: fx.Node, held: dict[str, tuple[int, Any]]) -> int | None:
-    """The flat input position `node` reads when it takes an item of a placeholder's tuple
-    (`unit_item`), else None."""
-    if node.target is not unit_item:
-        return None
-    source, index = node.args
-    if not isinstance(source, fx.Node) or source.name not in held or not isinstance(index, int):
-        return None
-    first, value = held[source.name]
-    if not isinstance(value, tuple | list):
-        return None
-    return first + sum(len(tree_flatten(v)[0]) for v in value[:index])
 
 
 def _fetch(root: nn.Module, target: str) -> Any:
@@ -248,10 +211,10 @@ class _Profiler(fx.Interpreter):
         wrapped = self.runner is not None and n.op == "call_module"
         fresh = _as_in_step if wrapped else _fresh
         with torch.set_grad_enabled(wrapped):  # see `profile`
-            # Warmed up as every timing is (the pass's first run does not count: it ran
-            # watched, and a unit's first runs pay for allocation and, compiled, compiling).
-            forward = self._median(lambda: run(n.target, *fresh((args, kwargs))),
-                                   max(1, self.warmup) if wrapped else self.warmup)
+            forward = self._median(
+                lambda: run(n.target, *fresh((args, kwargs))),
+                max(1, self.warmup) if wrapped else max(0, self.warmup - 1),
+            )
         return self._backward(n, run, args, kwargs, forward)
 
     def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any, forward: float

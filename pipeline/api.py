@@ -20,15 +20,13 @@ from torch.utils.data import Dataset, Sampler
 
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
-from pipeline.execution.choose import executor_for
 from pipeline.execution.compiled import CompileStats, compile_options
+from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
 from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import make_precision, warn_low_precision_parameters
-from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn
-from pipeline.execution.stage_io import check_loss_fn
 from pipeline.execution.timeouts import resolve_compile_timeout, resolve_timeout
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
@@ -40,7 +38,7 @@ from pipeline.facade.running import (
     one_at_a_time,
     run_step,
 )
-from pipeline.facade.settings import check_settings
+from pipeline.facade.settings import check_settings, executor_for
 from pipeline.facade.setup import Setup, auto_layout
 from pipeline.facade.state import ModelState
 from pipeline.planning.activation_policies import Selective, check_policies
@@ -138,9 +136,9 @@ class Pipeline:
         self.module = model
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
         self._layouts: AutoPlan | None = None
-        layout = job = None
+        layout = agreement = None
         if stages == "auto":  # planning's first step: the layout for the world
-            layout, job = auto_layout(
+            layout, agreement = auto_layout(
                 model, example_input, schedule=schedule, microbatches=microbatches,
                 virtual_stages=virtual_stages, data_parallel=data_parallel,
                 memory_limit=memory_limit, leaf_modules=leaf_modules,
@@ -153,12 +151,12 @@ class Pipeline:
         self.stages = check_settings(
             stages, microbatches, virtual_stages, memory_limit, data_parallel
         )
-        self.loss_fn = check_loss_fn(loss_fn)
+        self.loss_fn = loss_fn
         self.grad_accumulation = check_grad_accumulation(grad_accumulation)
         self.checkpoint_activations = check_policies(checkpoint_activations, memory_limit)
         self.timeout = resolve_timeout(timeout)
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard,
-                                      job)
+                                      agreement)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
@@ -410,17 +408,9 @@ class Pipeline:
         return self._executor.precision.scaler
 
     @property
-    def distributed(self) -> Processes | None:
-        """The process groups and rank layout under torch.distributed (the executor's
-        `DistContext`: ``layout``, ``dp_group``, ``pp_group``, ...), else None."""
+    def distributed(self) -> DistContext | None:
+        """The process groups and rank layout under torch.distributed, else None."""
         return self._executor.context
-
-    @property
-    def processes(self) -> Processes:
-        """The job's processes (this one alone, in one process): ``stages``,
-        ``data_parallel``, ``dp_rank``, ``pp_rank``, ``rank``, ``world_size`` and the
-        collective steps checkpoints take (pipeline.execution.processes)."""
-        return self._executor.processes
 
     def replica_sampler(
         self, data: Dataset[Any] | Sampler[Any], *, shuffle: bool = True, seed: int = 0,
@@ -432,10 +422,10 @@ class Pipeline:
         sized sampler (every replicas-th index). Every pipeline rank of a replica gets the same
         indices; in one process, all of them. Use it as ``DataLoader(data, batch_size,
         sampler=pipe.replica_sampler(data))`` and call ``set_epoch`` each epoch."""
-        processes = self._executor.processes
-        return replica_sampler(data, processes.data_parallel, processes.dp_rank,
-                               shuffle=shuffle, seed=seed, drop_last=drop_last, epoch=epoch,
-                               start=start)
+        ctx = self._executor.context
+        replicas, rank = (1, 0) if ctx is None else (ctx.layout.data_parallel, ctx.layout.dp_rank)
+        return replica_sampler(data, replicas, rank, shuffle=shuffle, seed=seed,
+                               drop_last=drop_last, epoch=epoch, start=start)
 
     @property
     def holds_first_stage(self) -> bool:

@@ -29,9 +29,8 @@ from pipeline.execution.compiled import (
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.precision import Precision
-from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
-from pipeline.execution.stage_code import StageCode, take_code
+from pipeline.execution.stage_code import StageCode, adopt
 from pipeline.execution.stage_io import weighted_loss
 from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.activation_policies import Policy, stage_policies
@@ -81,17 +80,6 @@ class Executor(ABC):
                 "or None to compile")
             return module
         return compiled_stage(module, self.compile, self.compile_stats, splits=splits)
-
-    @property
-    def processes(self) -> Processes:
-        """The job's processes as checkpoints, elastic training and metrics see them (here
-        this one, running every pipeline rank; pipeline.execution.processes)."""
-        return Processes(len(self.devices), self.devices[0])
-
-    @property
-    def rank_devices(self) -> dict[int, torch.device]:
-        """Pipeline rank -> device, for the pipeline ranks this process runs."""
-        return dict(enumerate(self.devices))
 
     @property
     def threads_on_cpu(self) -> bool:
@@ -249,7 +237,7 @@ class Executor(ABC):
         the other train/eval mode): the same modules, parameters and buffers, other code."""
         held = self.held()
         for s, module in held.items():
-            take_code(module, codes[s], self.devices[self._schedule.placement[s]])
+            adopt(module, codes[s], self.devices[self._schedule.placement[s]])
         for runtime in self._runtimes():  # a compiled stage is compiled from the new code
             runtime.restage({
                 s: self.runnable(held[s], self._schedule.splits_backward) for s in runtime.stages

@@ -284,7 +284,12 @@ class Metrics:
             rows = batch_size(targets, "targets")
         else:
             rows = batch_size(planned.example, "inputs") * planned.schedule.num_microbatches
-        devices, replicas = executor.rank_devices, executor.processes.data_parallel
+        ctx = executor.context
+        if ctx is None:
+            devices = dict(enumerate(executor.devices))
+            replicas = 1
+        else:
+            devices, replicas = {ctx.layout.pp_rank: ctx.device}, ctx.layout.data_parallel
         dtype = executor.precision.dtype or next(
             (p.dtype for p in planned.model.parameters() if p.is_floating_point()), None)
         return self.record(

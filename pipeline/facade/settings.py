@@ -1,9 +1,18 @@
-"""The checks `Pipeline(...)` makes on its arguments before anything is built (the executor is
-chosen by pipeline.execution.choose)."""
+"""The checks `Pipeline(...)` makes on its arguments before anything is built, and the choice
+of executor (local threads, or torch.distributed inside torchrun)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 import torch.distributed as dist
+
+from pipeline.execution.distributed import DistributedExecutor
+from pipeline.execution.distributed.agreement import Agreement
+from pipeline.execution.distributed.shard import check_shard
+from pipeline.execution.executor import Executor
+from pipeline.execution.local import LocalExecutor, resolve_devices
 
 
 def check_int(value: object, what: str, minimum: int, fix: str) -> int:
@@ -39,3 +48,32 @@ def check_settings(
             "torchrun (torch.distributed initialised), or drop data_parallel"
         )
     return checked
+
+
+def executor_for(
+    stages: int,
+    devices: Sequence[str | torch.device] | None,
+    data_parallel: int | None,
+    timeout: float,
+    shard: object = None,
+    agreement: Agreement | None = None,
+) -> Executor:
+    """The distributed executor inside torchrun (torch.distributed initialised), else the
+    local one (without `shard`: sharding needs data-parallel replicas). `agreement`: the
+    distributed Pipeline's setup agreement when its layout was chosen with it already."""
+    shard = check_shard(shard)
+    if shard is not None and not dist.is_initialized():
+        raise ValueError(
+            f"shard={shard!r} shards state over data-parallel replicas, which needs the "
+            "distributed executor: launch with torchrun (torch.distributed initialised), "
+            "or drop shard"
+        )
+    if dist.is_initialized():
+        if devices is not None:
+            raise ValueError(
+                f"devices={devices!r} cannot be used under torch.distributed: each process "
+                "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
+            )
+        return DistributedExecutor(stages, data_parallel, timeout=timeout, shard=shard,
+                                   agreement=agreement)
+    return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)

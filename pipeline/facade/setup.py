@@ -18,11 +18,12 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from partitioner.capture import call_structure, check_inputs
 from partitioner.exported import flat_inputs
 from pipeline.execution.activations.graph import block_runs
-from pipeline.execution.choose import Job, job_before_layout
+from pipeline.execution.distributed.agreement import Agreement
+from pipeline.execution.distributed.context import job_agreement, process_device
 from pipeline.execution.executor import Executor
 from pipeline.execution.program import LossFn
 from pipeline.planning.costs import StageCosts
-from pipeline.planning.decision import Decision, Surveyed
+from pipeline.planning.decision import Coordination, Decision, Surveyed
 from pipeline.planning.layout import LayoutChoice, check_layout_settings, choose_layout
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size, tensor_leaves
 from pipeline.planning.planner import Planner
@@ -74,8 +75,9 @@ class Setup:
         planner.block_runs = block_runs  # the policies are priced as the runtime runs them
         if executor.threads_on_cpu:  # the ranks share this process's interpreter lock
             planner.price_threads = len(executor.devices)
+        ctx = executor.context
         executor.coordination.agree("the settings check", settings=pipeline_settings(
-            stages=stages, data_parallel=executor.processes.data_parallel,
+            stages=stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
             schedule=schedule, built=planner.schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, loss_fn=loss_fn, model=model, shard=executor.shard,
         ))
@@ -113,6 +115,10 @@ class Setup:
         decision = self.decision
         return decision.microbatches if decision is not None else self.planner.microbatches
 
+    def adopt(self, decision: Decision) -> None:
+        """Run `decision` from the next call on (the executor adopts it)."""
+        self.executor.adopt(decision)
+
     def costs(self) -> StageCosts:
         """The decision's per-stage profiled costs; when they were not profiled up front, every
         unit is measured now by the processes holding it (under torch.distributed every
@@ -122,7 +128,7 @@ class Setup:
             with self.executor.precision.planning(self.executor.devices):
                 units = self.executor.measure_units(decision)
             decision = self.planner.with_units(decision, units)
-            self.executor.adopt(decision)
+            self.adopt(decision)
         assert decision.costs is not None  # with_units sets them
         return decision.costs
 
@@ -196,7 +202,7 @@ class Setup:
             if new.captured is not decision.captured:
                 self.load(new)
             else:
-                self.executor.adopt(new)
+                self.adopt(new)
             decision = new
         for part in split.parts:
             check_inputs(decision.captured, part)
@@ -210,16 +216,17 @@ def auto_layout(
     microbatches: object, virtual_stages: object, data_parallel: object,
     memory_limit: float | None, leaf_modules: tuple[type, ...] | None, capture_method: str,
     dynamic_dims: Sequence[int],
-) -> tuple[LayoutChoice, Job]:
+) -> tuple[LayoutChoice, Agreement]:
     """stages="auto" (pipeline.planning.layout): the layout chosen on this process's device
-    by the job's processes, met here through the Pipeline's setup agreement (the distributed
-    executor takes it over)."""
+    through the Pipeline's setup agreement, made here (the distributed executor takes it)."""
     check_layout_settings(example_input, schedule=schedule, microbatches=microbatches,
                           data_parallel=data_parallel)
-    job = job_before_layout(timeout)
+    agreement = job_agreement(timeout)
+    how = Coordination(leads=agreement.rank == 0, agree=agreement.sync, device=process_device(),
+                       keeps_whole_model=False, phase=agreement.phase)
     choice = choose_layout(
-        model, example_input, job.coordination, world_size=job.world_size, rank=job.rank,
+        model, example_input, how, world_size=agreement.world_size, rank=agreement.rank,
         schedule=str(schedule), virtual_stages=virtual_stages, memory_limit=memory_limit,
         leaf_modules=leaf_modules, capture_method=capture_method, dynamic_dims=dynamic_dims,
     )
-    return choice, job
+    return choice, agreement

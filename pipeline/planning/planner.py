@@ -146,14 +146,11 @@ def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...]
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What to capture on: the example microbatch, or, when it has one row, two rows of the
-    batch (its one row twice for a batch of one), so torch.export keeps the batch dim dynamic
-    instead of specialising it to 1 with a warning (profiling uses the real microbatch)."""
-    if batch_size(example, "inputs") != 1:
-        return example
-    if batch_size(args, "inputs") >= 2:
+    """What to capture on: the example microbatch, or two rows of the batch when it has one
+    row, so torch.export keeps the batch dim dynamic (profiling uses the real microbatch)."""
+    if batch_size(example, "inputs") == 1 and batch_size(args, "inputs") >= 2:
         return tuple(a[:2] for a in args)
-    return tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) else t, example)
+    return example
 
 
 def _shapes(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -228,7 +225,7 @@ class Planner:
             )
         # The schedule when it is known before the first batch (else None).
         self.schedule: Schedule | None = (
-            self._checked_custom(custom, given) if custom is not None
+            self._adopt(custom, given) if custom is not None
             else self._build(given) if given is not None and not self.auto else None
         )
         # The microbatches per batch when known before the first batch.
@@ -239,7 +236,7 @@ class Planner:
             str(self.schedule_spec), self.ranks, microbatches, self.virtual_stages
         )
 
-    def _checked_custom(self, schedule: Schedule, microbatches: int | None) -> Schedule:
+    def _adopt(self, schedule: Schedule, microbatches: int | None) -> Schedule:
         """Check a custom schedule against the settings and validate it."""
         if schedule.num_ranks != self.ranks:
             raise ValueError(

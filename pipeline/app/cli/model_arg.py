@@ -31,14 +31,23 @@ BUILTIN_MODELS: dict[str, _BuiltinModel] = {
 }
 
 
+FAMILY_PREFIXES = ("gpt:", "llama:")
+"""Transformer families by size (pipeline.planning.scale.transformer.parse_spec)."""
+
+
 def load_model(spec: str) -> nn.Module:
-    """The model named by `spec`: a built-in name, torchvision:NAME or package.module:factory."""
+    """The model named by `spec`: a built-in name, gpt:... or llama:... (a transformer family
+    by size), torchvision:NAME or package.module:factory."""
     from torch import nn
 
     if spec in BUILTIN_MODELS:
         from pipeline.app import models
 
         return getattr(models, BUILTIN_MODELS[spec].factory)()
+    if spec.startswith(FAMILY_PREFIXES):
+        from pipeline.planning.scale.transformer import TransformerLM, parse_spec
+
+        return TransformerLM(parse_spec(spec))
     if ":" not in spec:
         raise ValueError(
             f"unknown MODEL {spec!r}: give one of {', '.join(BUILTIN_MODELS)}, "
@@ -78,6 +87,11 @@ def example_inputs(
     import torch
 
     builtin = BUILTIN_MODELS.get(spec)
+    if spec.startswith(FAMILY_PREFIXES):
+        from pipeline.planning.scale.transformer import parse_spec
+
+        family = parse_spec(spec)
+        builtin = _BuiltinModel("", (8, family.seq), family.vocab, spec)
     if shapes is None:
         if builtin is None:
             raise ValueError(

@@ -17,6 +17,7 @@ from pipeline.app.cli.args import (
     sizes,
 )
 from pipeline.app.cli.model_arg import model_and_inputs
+from pipeline.app.cli.plan_target import add_arguments as add_target_arguments
 
 if TYPE_CHECKING:
     from partitioner import Captured
@@ -57,7 +58,10 @@ def add(subparsers: Any) -> None:
         epilog=(
             "examples:\n"
             "  hybridpipe plan gpt --world-size 8 --memory-limit 64MiB\n"
-            "  hybridpipe plan mlp --world-size 1024 --memory-limit 2MiB --batch-size 8192"
+            "  hybridpipe plan mlp --world-size 1024 --memory-limit 2MiB --batch-size 8192\n"
+            "  hybridpipe plan llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,"
+            "vocab=128256,seq=4096 \\\n      --target h100-sxm5-80gb --world-size 512 "
+            "--batch-size 1024"
         ),
         formatter_class=Formatter,
     )
@@ -101,10 +105,15 @@ def add(subparsers: Any) -> None:
         help="write the best candidate's schedule text, predicted timeline, memory plot and "
         "Chrome trace here",
     )
+    add_target_arguments(parser)
     parser.set_defaults(run=_run_plan, parser=parser)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.target is not None:
+        from pipeline.app.cli.plan_target import run
+
+        return run(args)
     from partitioner import capture, profile
     from pipeline.planning.autoplan import search
 

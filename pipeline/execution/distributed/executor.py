@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import StageModule
-from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_then_rebuild
+from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_and_adopt
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.dtensors import local
@@ -65,7 +65,6 @@ from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor, meta_message, place
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
-from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.planning.decision import Coordination, Decision
@@ -124,14 +123,6 @@ class DistributedExecutor(Executor):
 
     measures_rank_speeds = True  # one process (one device) per pipeline rank
 
-    @property
-    def processes(self) -> Processes:
-        return self.context
-
-    @property
-    def rank_devices(self) -> dict[int, torch.device]:
-        return {self.layout.pp_rank: self.context.device}
-
     # -- set-up -----------------------------------------------------------------------------------
 
     @contextmanager
@@ -179,7 +170,7 @@ class DistributedExecutor(Executor):
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
         """The units whose pipeline rank changes move with their gradients and optimizer
         state, then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
-        self.last_move = move_then_rebuild(self.context, self.sharding, self.optimizers, old, new,
+        self.last_move = move_and_adopt(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
 
     def maximum(self, values: Tensor) -> Tensor:

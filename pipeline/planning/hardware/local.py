@@ -1,0 +1,142 @@
+"""The local CPU as a `Target`, its constants measured by a short microbenchmark (a few
+seconds, once, then cached as JSON): matrix-product FLOP/s, memory bandwidth (a large copy),
+the least an op costs (a tiny add), and gloo between two processes on this host (a small
+send's latency, a large send's bandwidth, a small all-reduce's base). Never fitted to
+training steps: a step predicted from these alone is the check."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.planning.hardware.targets import Network, Target
+
+CACHE_ENV = "HYBRIDPIPE_CACHE"
+
+
+def _best(fn: Callable[[], Any], repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _compute(dtype: torch.dtype) -> dict[str, float]:
+    n = 512
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    gemm = 2 * n**3 / _best(lambda: torch.mm(a, b))
+    big = torch.empty(8 * 2**20, dtype=torch.float32)  # 32 MiB: past the caches
+    out = torch.empty_like(big)
+    bandwidth = 2 * big.numel() * 4 / _best(lambda: out.copy_(big))
+    x, y = torch.ones(64), torch.ones(64)
+    floor = statistics.median(_best(lambda: torch.add(x, y), 3) for _ in range(20))
+    return {"gemm": gemm, "bandwidth": bandwidth, "floor": floor}
+
+
+def _gloo_worker(rank: int, path: str, result: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    small, large = torch.zeros(4), torch.zeros(4 * 2**20)  # 16 B, 16 MiB
+
+    def pingpong(t: torch.Tensor) -> None:
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+    latency = _best(lambda: pingpong(small), 20) / 2
+    bandwidth = large.numel() * 4 / (_best(lambda: pingpong(large), 5) / 2 - latency)
+    reduce = _best(lambda: dist.all_reduce(small), 20)
+    if rank == 0:
+        Path(result).write_text(json.dumps(
+            {"p2p_latency": latency, "p2p_bandwidth": bandwidth, "allreduce_small": reduce}))
+    dist.destroy_process_group()
+
+
+def _gloo() -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "gloo.json")
+        mp.spawn(_gloo_worker, args=(os.path.join(tmp, "store"), result), nprocs=2,
+                 join=True)
+        return dict(json.loads(Path(result).read_text()))
+
+
+def measure() -> dict[str, Any]:
+    """Run the microbenchmark (one thread per op, as each pipeline rank runs here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        f64, f32 = _compute(torch.float64), _compute(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    return {"fp64": f64, "fp32": f32, "gloo": _gloo(), "host": platform.node(),
+            "torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridpipe")
+    return root / f"local-target-{platform.node()}-{torch.__version__}.json"
+
+
+def measured(refresh: bool = False) -> dict[str, Any]:
+    """The microbenchmark's figures, from the cache unless `refresh` or absent."""
+    path = _cache_file()
+    if not refresh and path.exists():
+        return dict(json.loads(path.read_text()))
+    figures = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2) + "\n")
+    return figures
+
+
+def target_from(figures: dict[str, Any], processes: int = 2) -> Target:
+    """A `Target` from measured `figures`: peak = the measured matrix-product rate
+    (efficiency 1), bandwidth = the measured copy, floor = the tiny op, and a "node" of
+    `processes` ranks linked by the measured gloo send."""
+    f64, f32, gloo = figures["fp64"], figures["fp32"], figures["gloo"]
+    net = Network(
+        gpus_per_node=processes,
+        intra_busbw=gloo["p2p_bandwidth"],
+        nic_busbw=gloo["p2p_bandwidth"],
+        base_latency=max(0.0, gloo["allreduce_small"] - 2 * gloo["p2p_latency"]),
+        intra_step_latency=gloo["p2p_latency"],
+        intra_tree_step_latency=gloo["p2p_latency"],
+        net_step_latency=gloo["p2p_latency"],
+        sources=("measured: gloo send/recv and all_reduce on this host",),
+    )
+    return Target(
+        name="cpu",
+        description=f"this host's CPU ({figures.get('cpus')} cores), one thread per rank",
+        peak_flops={"fp64": f64["gemm"], "fp32": f32["gemm"], "bf16": f32["gemm"],
+                    "fp16": f32["gemm"]},
+        memory_bandwidth=f32["bandwidth"],
+        memory_capacity=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        gemm_efficiency=1.0,
+        attention_efficiency=1.0,
+        memory_efficiency=1.0,
+        kernel_floor=f32["floor"],
+        network=net,
+        sources={"all": "measured by pipeline.planning.hardware.local (microbenchmark)"},
+    )
+
+
+def local_target(refresh: bool = False) -> Target:
+    """This machine as a target (microbenchmarked once, then cached)."""
+    return target_from(measured(refresh))

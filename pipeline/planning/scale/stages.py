@@ -1,0 +1,142 @@
+"""Stage costs of one layout: the unit chain (embedding, `layers` x the one priced block,
+head) with each block's tensor-parallel collectives (Megatron's pairs: 2 all-reduces of the
+b x s x h activation in the forward and 2 in the backward on the tp group, or an all-gather
+and a reduce-scatter each under sequence parallelism; the vocabulary-parallel embedding's
+forward and the head's input-grad one more) and its recompute policy ("selective": the
+attention core redone in B, its seq x seq tensors not held; "full": the block's forward
+redone in B, only its input held), cut into pp x v stages by a min-max partition of
+F + B + W (binary search on the bottleneck with a greedy feasibility probe: exact up to
+the search's tolerance and linear in the chain, where partitioner.solver's dynamic
+programme is quadratic: a search prices thousands of cuts of 100+ units)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.planning.hardware.collectives import Placement, collective_seconds
+from pipeline.planning.scale.layout import Job, Layout
+from pipeline.planning.scale.pricing import UnitPrice
+from pipeline.planning.scale.units import DTYPES, Units
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit of the chain for one microbatch: seconds of F, B, W; activation bytes held
+    per in-flight microbatch; extra bytes while it recomputes; parameters; output bytes
+    sent to the next stage."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    held: float
+    working: float
+    parameters: int
+    output: float
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per stage: F, B, W seconds, held activation bytes per microbatch, the largest
+    recompute working set, parameters, and the bytes crossing to the next stage."""
+
+    forward: list[float]
+    input_grad: list[float]
+    weight_grad: list[float]
+    held: list[float]
+    working: list[float]
+    parameters: list[int]
+    boundary: list[float]
+    sizes: list[int]
+
+
+def tp_collective(job: Job, layout: Layout, nbytes: float) -> float:
+    """One Megatron tp collective point on `nbytes` (all-reduce, or all-gather +
+    reduce-scatter under sequence parallelism) on the tp group inside a node."""
+    if layout.tp == 1:
+        return 0.0
+    net = job.target.network
+    group = Placement(layout.tp, min(layout.tp, job.gpus_per_node))
+    if layout.sequence_parallel:
+        return (collective_seconds(net, "all_gather", nbytes, group)
+                + collective_seconds(net, "reduce_scatter", nbytes, group))
+    return collective_seconds(net, "all_reduce", nbytes, group)
+
+
+def _block(units: Units, layout: Layout, comm: float) -> UnitCost:
+    blk, full, t = units.block, units.block_unsharded, layout.tp
+    sp = layout.sequence_parallel and t > 1
+    saved, core = (full.saved / t, full.saved_core / t) if sp else (blk.saved, blk.saved_core)
+    b = blk.input_grad + 2 * comm
+    held, working = saved, 0.0
+    if layout.recompute == "selective":
+        b, held, working = b + blk.core_seconds, saved - core, core
+    elif layout.recompute == "full":
+        b, held, working = b + blk.forward + 2 * comm, blk.input_bytes / t if sp else (
+            blk.input_bytes), saved
+    return UnitCost(blk.forward + 2 * comm, b, blk.weight_grad, held, working,
+                    blk.parameters, blk.output_bytes / t)
+
+
+def _edge(unit: UnitPrice, f_comm: float, b_comm: float, out: float) -> UnitCost:
+    return UnitCost(unit.forward + f_comm, unit.input_grad + b_comm, unit.weight_grad,
+                    unit.saved, 0.0, unit.parameters, out)
+
+
+def unit_chain(job: Job, layout: Layout, units: Units) -> list[UnitCost]:
+    """The chain's units in order, costed for `layout`."""
+    act = units.microbatch_size * job.spec.seq * job.spec.hidden * (
+        DTYPES[job.precision].itemsize)
+    comm = tp_collective(job, layout, act)
+    blk = _block(units, layout, comm)
+    embed = _edge(units.embed, comm, 0.0, blk.output)
+    head = _edge(units.head, 0.0, comm, 0.0)
+    return [embed, *([blk] * job.spec.layers), head]
+
+
+def _packed(costs: list[float], cap: float) -> list[int]:
+    sizes, load = [0], 0.0
+    for c in costs:
+        if sizes[-1] and load + c > cap:
+            sizes.append(0)
+            load = 0.0
+        sizes[-1] += 1
+        load += c
+    return sizes
+
+
+def balanced(costs: list[float], stages: int) -> list[int]:
+    """Contiguous stage sizes of `costs` (each >= 1) minimising the largest stage sum."""
+    lo, hi = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(_packed(costs, mid)) <= stages:
+            hi = mid
+        else:
+            lo = mid
+    sizes = _packed(costs, hi)
+    while len(sizes) < stages:  # split the longest stage: its parts cost no more
+        i = max(range(len(sizes)), key=lambda k: sizes[k])
+        sizes[i:i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
+    return sizes
+
+
+def stage_costs(job: Job, layout: Layout, units: Units) -> StageCosts:
+    """The chain cut into pp x v stages, balanced on F + B + W."""
+    chain = unit_chain(job, layout, units)
+    sizes = balanced([u.forward + u.input_grad + u.weight_grad for u in chain],
+                     layout.pp * layout.virtual_stages)
+    stages: list[list[UnitCost]] = []
+    start = 0
+    for size in sizes:
+        stages.append(chain[start:start + size])
+        start += size
+    return StageCosts(
+        forward=[sum(u.forward for u in s) for s in stages],
+        input_grad=[sum(u.input_grad for u in s) for s in stages],
+        weight_grad=[sum(u.weight_grad for u in s) for s in stages],
+        held=[sum(u.held for u in s) for s in stages],
+        working=[max(u.working for u in s) for s in stages],
+        parameters=[sum(u.parameters for u in s) for s in stages],
+        boundary=[s[-1].output for s in stages],
+        sizes=sizes,
+    )

@@ -1,0 +1,156 @@
+"""Planning at scale from meta tensors: the priced units reproduce published analytic
+results exactly (Korthikanti et al. 2022's activation bytes per layer, the Zero Bubble
+paper's F/B/W FLOPs and bubbles), and a layout's prediction and the search hold together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline.app.cli import main
+from pipeline.planning.hardware import TARGETS
+from pipeline.planning.scale.layout import Job, Layout, fit, parse_layout
+from pipeline.planning.scale.predict import predict
+from pipeline.planning.scale.pricing import UnitPrice, price
+from pipeline.planning.scale.stages import _block
+from pipeline.planning.scale.transformer import TransformerLM, block, parse_spec
+from pipeline.planning.scale.units import priced_units
+from scheduler import build_schedule, simulate
+
+A100 = TARGETS["a100-sxm4-80gb"]
+B, S, H, A = 2, 64, 32, 4  # microbatch, sequence, hidden, heads: a s / h = 8
+GPT = parse_spec(f"gpt:layers=4,hidden={H},heads={A},vocab=128,seq={S},attention=math")
+
+
+def _priced(tp: int = 1, spec=GPT) -> UnitPrice:
+    with torch.device("meta"):
+        m = block(spec, tp).to(torch.bfloat16)
+        x = torch.empty(B, S, H, dtype=torch.bfloat16, requires_grad=True)
+    return price(m, (x,), A100, S)
+
+
+NORM_STATS = 2 * 2 * 4 * S * B  # two LayerNorms' fp32 mean and rstd per token
+
+
+def test_activation_bytes_match_korthikanti_table_2() -> None:
+    sbh = S * B * H
+    none = _priced()
+    assert none.saved - NORM_STATS == sbh * (34 + 5 * A * S / H)
+    assert none.saved_core == sbh * 5 * A * S / H  # the seq x seq part selective drops
+    t = 2
+    tp = _priced(t)
+    assert tp.saved - NORM_STATS == sbh * (10 + 24 / t + 5 * A * S / (H * t))
+    units = priced_units(GPT, A100, "bf16", t, B)
+    sp = _block(units, Layout(tp=t, recompute="none", sequence_parallel=True), 0.0)
+    assert sp.held - NORM_STATS / t == sbh * (34 / t + 5 * A * S / (H * t))
+    full = _block(units, Layout(tp=t, recompute="full", sequence_parallel=True), 0.0)
+    assert full.held == 2 * sbh / t  # the layer input, sequence-sharded
+    selective = _block(priced_units(GPT, A100, "bf16", 1, B), Layout(recompute="selective"),
+                       0.0)
+    assert selective.held - NORM_STATS == sbh * 34
+
+
+def test_flash_attention_holds_no_seq_by_seq_tensor() -> None:
+    flash = _priced(spec=parse_spec(f"gpt:layers=4,hidden={H},heads={A},vocab=128,seq={S}"))
+    # 34 sbh, the norm statistics, the kernel's fp32 log-sum-exp per head and token, and
+    # its dropout RNG state (a 2-element and a 0-d uint64: 24 bytes).
+    assert flash.saved == S * B * H * 34 + NORM_STATS + 4 * B * A * S + 24
+    assert flash.saved_core == 0
+
+
+def test_forward_input_grad_weight_grad_flops_are_the_zero_bubble_papers() -> None:
+    p = _priced()
+    sbh = S * B * H
+    assert p.forward_flops == sbh * (24 * H + 4 * S)
+    assert p.input_grad_flops == sbh * (24 * H + 8 * S)
+    assert p.backward_flops - p.input_grad_flops == sbh * 24 * H
+
+
+@pytest.mark.parametrize(("name", "idle"), [
+    ("1f1b", lambda f, b, w: f + b + w),
+    ("zb-h1", lambda f, b, w: f + b - w),
+])
+def test_bubbles_from_priced_flops_are_the_zero_bubble_formulas(name, idle) -> None:
+    p, m = 4, 8
+    units = _priced()
+    f, b = units.forward_flops, units.input_grad_flops
+    w = units.backward_flops - b
+    timeline = simulate(build_schedule(name, p, m), [f] * p, [b] * p, [w] * p)
+    step = max(e.end for e in timeline.events) - min(e.start for e in timeline.events)
+    assert step - m * (f + b + w) == pytest.approx((p - 1) * idle(f, b, w))
+
+
+def _job(world: int = 16, batch: int = 32) -> Job:
+    spec = parse_spec("gpt:layers=8,hidden=64,heads=4,vocab=256,seq=64")
+    return Job(spec, A100, world, batch)
+
+
+def test_a_layout_prediction_adds_up() -> None:
+    job = _job()
+    p = predict(job, parse_layout("tp=2,pp=4,microbatches=8,schedule=1f1b,zero=zero1"))
+    assert (p.dp, p.microbatch_size) == (2, 2)
+    assert p.step_time >= p.pipeline_time > 0
+    # 1F1B: the first rank holds p microbatches, the last one.
+    assert p.peak_memory[0] == max(p.peak_memory)
+    mem = p.memory
+    assert mem.weights == mem.gradients  # 16-bit weight and gradient
+    assert mem.optimizer == pytest.approx(mem.weights / 2 * 12 / p.dp)  # ZeRO-1 shard
+    assert 0 < p.mfu < 1 and p.tflops_per_gpu > 0
+    none = predict(job, parse_layout("tp=2,pp=4,microbatches=8,schedule=1f1b"))
+    assert none.memory.optimizer == pytest.approx(mem.optimizer * p.dp)
+
+
+def test_layouts_that_do_not_fit_say_why() -> None:
+    job = _job()
+    with pytest.raises(ValueError, match="does not divide world size"):
+        fit(job, Layout(tp=2, pp=3))
+    with pytest.raises(ValueError, match="spans nodes"):
+        fit(Job(job.spec, A100, 32, 32), Layout(tp=16))
+    with pytest.raises(ValueError, match="batch 32 does not split"):
+        fit(job, Layout(pp=4, microbatches=3))
+    with pytest.raises(ValueError, match="keys"):
+        parse_layout("tp=2,color=red")
+    with pytest.raises(ValueError, match="lacks"):
+        parse_spec("gpt:layers=2,hidden=64")
+    with pytest.raises(ValueError, match="multiple of heads"):
+        parse_spec("llama:layers=2,hidden=64,heads=3,vocab=8,seq=8")
+
+
+def test_family_model_builds_on_meta_with_the_counted_parameters() -> None:
+    spec = parse_spec("llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=256,seq=16")
+    with torch.device("meta"):
+        model = TransformerLM(spec)
+    assert sum(p.numel() for p in model.parameters()) == spec.parameters()
+    assert model(torch.zeros(2, 16, dtype=torch.long, device="meta")).shape == (2, 16, 256)
+
+
+def test_plan_cli_predicts_a_layout_with_the_json_fields(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", "gpt:layers=8,hidden=64,heads=4,vocab=256,seq=64", "--world-size",
+                 "16", "--target", "h100-sxm5-80gb", "--batch-size", "32", "--layout",
+                 "tp=2,pp=4,microbatches=8,virtual_stages=2,schedule=interleaved-1f1b,"
+                 "recompute=full", "--json", str(out)])
+    assert code == 0
+    row = json.loads(out.read_text())["candidates"][0]
+    for key in ("step_time", "peak_memory", "tp", "microbatch_size", "tflops_per_gpu", "mfu"):
+        assert key in row
+    assert row["tp"] == 2 and row["microbatch_size"] == 2 and len(row["peak_memory"]) == 4
+    assert "TFLOP/s per GPU" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_search_ranks_fitting_layouts_and_counts_rejections() -> None:
+    from pipeline.planning.scale.search import search
+
+    job = _job(world=16, batch=32)
+    plan = search(job, keep=5, schedules=["1f1b", "interleaved-1f1b", "zb-h1"])
+    steps = [c.step_time for c in plan.candidates]
+    assert steps == sorted(steps) and len(steps) == 5
+    assert all(c.max_memory <= plan.memory_limit for c in plan.candidates)
+    tight = search(job, keep=5, schedules=["1f1b"],
+                   memory_limit=min(c.max_memory for c in plan.candidates) * 0.6)
+    assert tight.rejected.get("over the memory cap", 0) > 0
+    assert all(c.max_memory <= tight.memory_limit for c in tight.candidates)
+    assert "rejected" in tight.table()
