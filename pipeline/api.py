@@ -175,6 +175,7 @@ class Pipeline:
             loss_fn=loss_fn, dynamic_dims=dynamic_dims,
             auto_activations=self.checkpoint_activations == "auto",
             surveyed=layout.surveyed if layout is not None else None,
+            profile_up_front=rebalance,
         )
         self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
         self._metrics = Metrics()

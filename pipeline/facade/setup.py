@@ -54,6 +54,7 @@ class Setup:
         loss_fn: LossFn | None, dynamic_dims: Sequence[int] = (),
         auto_activations: bool = False,
         surveyed: Surveyed | None = None,
+        profile_up_front: bool = False,
     ) -> Setup:
         """The planner for these settings, once every process is checked to have built the
         same Pipeline (under torch.distributed; pipeline.planning.settings). Plans nothing:
@@ -64,7 +65,7 @@ class Setup:
                 virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
                 memory_limit=memory_limit, capture_method=capture_method,
                 dynamic_dims=dynamic_dims, auto_activations=auto_activations,
-                surveyed=surveyed,
+                surveyed=surveyed, profile_up_front=profile_up_front,
             )
         if executor.compile is not None:  # the balance sees the compiled units' costs
             # B and W are timed apart only where a schedule may split the backward (else

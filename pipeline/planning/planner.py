@@ -190,6 +190,7 @@ class Planner:
         dynamic_dims: Sequence[int] = (),
         auto_activations: bool = False,
         surveyed: Surveyed | None = None,
+        profile_up_front: bool = False,
     ) -> None:
         self.model = model
         self.surveyed = surveyed  # a capture profiled already, reused where it fits
@@ -203,6 +204,9 @@ class Planner:
         self.memory_limit = memory_limit
         # checkpoint_activations="auto": a policy per stage chosen under memory_limit.
         self.auto_activations = auto_activations
+        # The leader profiles the units at planning whatever the balance (rebalance=True: the
+        # re-plan then has every unit's costs from one device, before the model is split).
+        self.profile_up_front = profile_up_front
         self.virtual_stages = virtual_stages if isinstance(virtual_stages, int) else None
         self.balance = balance
         # What runs a unit when it is profiled (set by the facade under compile=: the unit
@@ -379,7 +383,7 @@ class Planner:
         """(The leader) the capture with its costs when they are needed, the partition, and
         the stage costs while it holds the whole model; with checkpoint_activations="auto",
         the policy per stage in the plan."""
-        costed = self.balance == "profile" or self.auto_activations
+        costed = self.balance == "profile" or self.auto_activations or self.profile_up_front
         if costed and not profiled:
             with how.phase("profiling of the model"):
                 captured = captured.with_costs(
