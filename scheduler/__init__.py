@@ -18,7 +18,7 @@ from scheduler.lowering import (
     receive_order,
 )
 from scheduler.simulate import rank_costs_to_stages, simulate
-from scheduler.synthesize import lower_bound, synthesize
+from scheduler.synthesize import SYNTH, lower_bound, synthesize
 from scheduler.timeline import Event, Timeline, format_amount, format_bytes
 from scheduler.validate import validate
 
@@ -35,6 +35,7 @@ __all__ = [
     "validate",
     "simulate",
     "synthesize",
+    "SYNTH",
     "lower_bound",
     "rank_costs_to_stages",
     "lower",

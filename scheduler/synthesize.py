@@ -45,6 +45,8 @@ Orders = list[list[Action]]
 Times = list[list[tuple[float, float]]]
 _PRIORITIES = (((1, 0, 2), False), ((1, 0, 2), True), ((0, 1, 2), False), ((0, 1, 2), True),
                ((0, 2, 1), False), ((2, 0, 1), False))
+SYNTH = "synth"
+"""The name a synthesised schedule carries (and that the planners and the CLI take)."""
 _SEEDS_SEARCHED = 3
 _REACH = 4
 
@@ -101,7 +103,7 @@ class _Evaluator:
         self.cost, self.comm, self.limits = cost, comm, limits
         self.calls = 0
 
-    def schedule(self, orders: Orders, name: str = "synth") -> Schedule:
+    def schedule(self, orders: Orders, name: str = SYNTH) -> Schedule:
         return Schedule(
             num_ranks=self.ranks, num_stages=len(self.placement), num_microbatches=self.m,
             placement=self.placement, actions=tuple(tuple(a) for a in orders),
@@ -298,7 +300,7 @@ def synthesize(
 
     best = min((x for x in found if x[0][0] <= shortest),
                key=lambda x: (memory(x), x[0], x[1]))
-    return best[2].schedule(best[3], name="synth")
+    return best[2].schedule(best[3], name=SYNTH)
 
 
 def lower_bound(

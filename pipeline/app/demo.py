@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.api import Pipeline
+from pipeline.app.demo_config import DemoConfig
 from pipeline.app.models import GPT, TransformerBlock
 from pipeline.app.textdata import TokenBatches, stdlib_corpus
 from pipeline.planning.autoplan import AutoPlan, search
@@ -36,23 +37,6 @@ from viz import (
 # step moves +-10-15% on a shared CPU: the two medians of 2-3 steps landed up to 17% apart, of 6
 # steps up to 10.6%, of 10 steps up to 12.6% (one schedule of eight, in two of four demo runs).
 CHECK_STEPS = 20
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """Sizes of the demo run; the defaults take a couple of minutes on 2 CPU cores."""
-
-    steps: int = 400
-    stages: int = 2
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    batch_size: int = 16
-    seq_len: int = 64
-    dim: int = 160
-    layers: int = 6
-    heads: int = 4
-    lr: float = 5e-3
-    seed: int = 0
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,8 @@ from pipeline.planning.costs import (
     predict_summary,
     with_policies,
 )
-from pipeline.planning.synthesis import OPTIMIZER_FACTOR, SYNTH, inflight_limits, synthesized
-from scheduler import SCHEDULES, Schedule, Timeline, build_schedule
+from pipeline.planning.synthesis import OPTIMIZER_FACTOR, inflight_limits, synthesized
+from scheduler import SCHEDULES, SYNTH, Schedule, Timeline, build_schedule
 from scheduler.simulate import peak_held
 
 

@@ -18,8 +18,6 @@ from scheduler.simulate import peak_held
 OPTIMIZER_FACTOR = 4.0
 """Bytes held per parameter byte: the weight, its gradient and Adam's two moments."""
 
-SYNTH = "synth"
-"""The name synthesised schedules carry (and that `autoplan.search` takes among its names)."""
 
 
 def split_costs(costs: StageCosts, overhead: float = 0.0) -> tuple[list[float], ...]:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.planning.synthesis import SYNTH
-from scheduler import SCHEDULES
+from scheduler import SCHEDULES, SYNTH
 
 DTYPES = ("float32", "float64", "int64")
 

@@ -11,7 +11,7 @@ from scheduler import SCHEDULES
 
 
 def add(subparsers: Any) -> None:
-    from pipeline.app.demo import DemoConfig
+    from pipeline.app.demo_config import DemoConfig
 
     defaults = DemoConfig()
     parser = subparsers.add_parser(

@@ -50,14 +50,15 @@ def add(subparsers: Any) -> None:
             "parallel replicas, schedule, microbatches, chunks per rank) for --world-size\n"
             "devices and print them ranked by predicted step time, with bubble and peak\n"
             "memory per rank (parameters x optimizer factor + held activations); candidates\n"
-            "over --memory-limit are dropped. Writes the ranked list as JSON (--json).\n"
+            "over --memory-limit are dropped. Writes files only where asked: the ranked list as\n"
+            "JSON (--json), the best candidate's pictures (--out).\n"
             "Model: see pipeline.planning.autoplan (microbatch costs scale linearly with\n"
             "samples). 'synth' rows are schedules synthesised for those costs\n"
             "(scheduler.synthesize); the best candidate's schedule is printed when it is one."
         ),
         epilog=(
             "examples:\n"
-            "  hybridpipe plan gpt --world-size 8 --memory-limit 64MiB\n"
+            "  hybridpipe plan gpt --world-size 8 --memory-limit 3MiB\n"
             "  hybridpipe plan mlp --world-size 1024 --memory-limit 2MiB --batch-size 8192\n"
             "  hybridpipe plan llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,"
             "vocab=128256,seq=4096 \\\n      --target h100-sxm5-80gb --world-size 512 "
@@ -97,8 +98,8 @@ def add(subparsers: Any) -> None:
     parser.add_argument("--device", default="cpu", help="device to profile on")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and example input")
     parser.add_argument(
-        "--json", type=Path, default=Path("autoplan.json"), metavar="PATH",
-        help="where to write the ranked candidates",
+        "--json", type=Path, default=None, metavar="PATH",
+        help="write the ranked candidates here as JSON (default: nothing is written)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, metavar="DIR",
@@ -134,9 +135,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         keep=args.top,
     )
     print(result.table(args.top))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    print(f"wrote {args.json}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
     best = result.best  # raises the explanatory error when nothing fits
     if best.built is not None:
         print(f"best schedule ({best.schedule}, pp={best.pp}, m={best.microbatches}), one line "
@@ -158,7 +160,8 @@ def _draw(args: argparse.Namespace, captured: Captured, best: Any, profiled_batc
     out.mkdir(parents=True, exist_ok=True)
     name = schedule.name
     (out / f"schedule_{name}.txt").write_text(schedule.to_text() + "\n")
-    plot_timeline(timeline, out / f"timeline_{name}.png")
-    plot_memory(timeline, out / f"memory_{name}.png")
+    # The prediction is in seconds (profiled costs), not cost units: drawn in ms (s, µs).
+    plot_timeline(timeline, out / f"timeline_{name}.png", unit="s")
+    plot_memory(timeline, out / f"memory_{name}.png", unit="s")
     to_chrome_trace(timeline, out / f"trace_{name}.json")
     print(f"wrote the best candidate's schedule, timeline, memory plot and trace to {out}/")

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.app.cli.args import Formatter, positive_int, schedule_names
-from pipeline.planning.synthesis import SYNTH
 from scheduler import (
     SCHEDULES,
+    SYNTH,
     Schedule,
     Timeline,
     build_schedule,

@@ -7,6 +7,7 @@ import json
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -324,3 +325,79 @@ def test_profile_rejects_bad_models_and_arguments(capsys: pytest.CaptureFixture[
     assert refused(capsys, "profile", "gpt", "--input-shape", "8,0") == (
         "argument --input-shape: sizes must be >= 1, got '8,0'"
     )
+
+
+# --------------------------------------------------------------------------------------- plan
+
+
+def test_help_does_not_import_torch() -> None:
+    """`hybridpipe --help` and each command's --help answer without importing torch (the
+    seconds that import takes were most of the wait)."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    code = (
+        "import sys\n"
+        "from pipeline.app.cli import build_parser\n"
+        "for argv in ([], ['simulate'], ['profile'], ['plan'], ['demo']):\n"
+        "    try:\n"
+        "        build_parser().parse_args([*argv, '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT)}, check=True)
+    assert done.stdout.splitlines()[-1] == "False", done.stdout
+
+
+@pytest.mark.slow
+def test_plan_writes_files_only_where_asked_and_draws_in_ms(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --json no JSON is written (autoplan.json once landed in the working directory
+    unasked). With --out the pictures of the prediction (in seconds) are drawn in ms, as the
+    table gives the step, not in abstract cost units."""
+    import viz
+
+    drawn: list[tuple[str, str]] = []
+
+    def recording(plot: Any) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            fig = plot(*args, **kwargs)
+            drawn.append((fig.axes[-1].get_xlabel(), fig.axes[0].get_title(loc="left")))
+            return fig
+        return draw
+
+    monkeypatch.setattr(viz, "plot_timeline", recording(viz.plot_timeline))
+    monkeypatch.chdir(tmp_path)
+    out = run(capsys, "plan", "mlp", "--world-size", "2", "--input-shape", "2,256",
+              "--schedules", "1f1b", "--top", "3", "--out", "best")
+    assert [p.name for p in tmp_path.iterdir()] == ["best"]  # no JSON unless --json
+    assert "wrote" in out and ".json" not in out.replace("trace_1f1b.json", "")
+    [(xlabel, title)] = drawn
+    assert xlabel in ("time (ms)", "time (µs)", "time (s)"), xlabel
+    assert re.search(r"step [\d.]+ (ms|µs|s)\b", title), title
+
+
+@pytest.mark.slow
+def test_documented_plan_example_shows_a_trade_off(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/cli.md's `hybridpipe plan gpt ...` line, run as written: the memory cap rules
+    out plain data parallelism, so the table ranks pipeline depths and schedules that differ
+    (several pp, several step times and bubbles), not twenty equal pp=1 rows; it writes the
+    JSON it was asked for and nothing else."""
+    from tests.support import ROOT
+
+    docs = (ROOT / "docs" / "cli.md").read_text()
+    [line] = [x for x in docs.splitlines() if x.startswith("hybridpipe plan gpt")]
+    monkeypatch.chdir(tmp_path)
+    out = run(capsys, *line.split()[1:])
+    rows = [r.split() for r in out.splitlines() if r[:3].strip().isdigit()]
+    assert len({r[1] for r in rows}) >= 2, out  # pipeline depths
+    assert len({r[6] for r in rows}) >= 3 and len({r[7] for r in rows}) >= 3, out
+    assert "pp=1" not in out and all(r[1] != "1" for r in rows), out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

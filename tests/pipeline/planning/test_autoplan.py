@@ -103,12 +103,14 @@ def test_pipeline_auto_picks_by_simulation_and_stays_exact() -> None:
 
 
 def test_cli_plan_prints_the_ranked_table_and_writes_json(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out_json = tmp_path / "plan.json"
+    monkeypatch.chdir(tmp_path)
     code = main(["plan", "mlp", "--world-size", "4", "--memory-limit", "64MiB",
                  "--input-shape", "4,256", "--top", "5", "--json", str(out_json)])
     assert code == 0
+    assert list(tmp_path.iterdir()) == [out_json]  # the file asked for, nothing else
     out = capsys.readouterr().out
     data = json.loads(out_json.read_text())
     assert data["memory_limit"] == 64 * 2**20 and len(data["candidates"]) == 5
