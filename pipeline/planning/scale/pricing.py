@@ -43,8 +43,10 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 @dataclass(frozen=True)
 class Op:
     """One kernel: its aten name, FLOPs, bytes read and written, kind ("gemm", "attention",
-    "memory"), output (m, n, batch) for a gemm, dtype name, and whether it is part of the
-    attention core (touches a seq x seq tensor, or is the fused attention)."""
+    "memory"), output (m, n, batch) for a gemm, dtype name, whether it is part of the
+    attention core (touches a seq x seq tensor, or is the fused attention) and whether it
+    is element-wise work on whole hidden vectors (norms, dropout, residuals: every tensor
+    ends in the hidden size or 1), what sequence parallelism shards along the sequence."""
 
     name: str
     flops: float
@@ -53,6 +55,7 @@ class Op:
     gemm: tuple[int, int, int] | None
     dtype: str
     core: bool
+    replicated: bool = False
 
     def seconds(self, target: Target) -> float:
         return target.op_seconds(self.flops, self.moved, self.dtype, self.kind, self.gemm)
@@ -77,9 +80,9 @@ def _gemm_shape(packet: Any, args: Sequence[Any]) -> tuple[int, int, int]:
 class _Recorder(TorchDispatchMode):
     """Records each kernel-launching aten op as an `Op`."""
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, hidden: int | None) -> None:
         super().__init__()
-        self.seq = seq
+        self.seq, self.hidden = seq, hidden
         self.ops: list[Op] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -98,11 +101,13 @@ class _Recorder(TorchDispatchMode):
         dtype = _DTYPES.get(floating[0].dtype if floating else torch.float32, "fp32")
         core = packet in _ATTENTION or any(
             t.dim() >= 2 and tuple(t.shape[-2:]) == (self.seq, self.seq) for t in tensors)
+        replicated = kind == "memory" and self.hidden is not None and all(
+            t.dim() >= 2 and t.shape[-1] in (self.hidden, 1) for t in tensors)
         self.ops.append(Op(
             name=str(packet), flops=flops, moved=sum(t.numel() * t.element_size()
                                                      for t in tensors),
             kind=kind, gemm=_gemm_shape(packet, args) if kind == "gemm" else None,
-            dtype=dtype, core=core))
+            dtype=dtype, core=core, replicated=replicated))
         return out
 
 
@@ -165,7 +170,8 @@ class UnitPrice:
     (weight grad); FLOPs of F, B and the whole backward (B + W); `core_seconds` and
     `core_flops` of the forward's attention core (what selective recompute redoes); bytes
     the forward saves (`saved`; `saved_core` of them in the attention core); bytes of its
-    inputs and output; parameters (elements and bytes)."""
+    inputs and output; parameters (elements and bytes); `replicated`: seconds of F, B and
+    W spent in element-wise work on whole hidden vectors (`Op.replicated`)."""
 
     forward: float
     input_grad: float
@@ -175,6 +181,7 @@ class UnitPrice:
     backward_flops: float
     core_seconds: float
     core_flops: float
+    replicated: tuple[float, float, float]
     saved: float
     saved_core: float
     input_bytes: float
@@ -183,28 +190,33 @@ class UnitPrice:
     parameter_bytes: int
 
 
-def price(module: nn.Module, inputs: Sequence[Any], target: Target, seq: int) -> UnitPrice:
+def _seconds(ops: list[Op], target: Target, replicated: bool = False) -> float:
+    return sum(op.seconds(target) for op in ops if op.replicated or not replicated)
+
+
+def price(module: nn.Module, inputs: Sequence[Any], target: Target, seq: int,
+          hidden: int | None = None) -> UnitPrice:
     """Price `module(*inputs)` (module and inputs on meta; the floating inputs that require
-    grad are the unit's activations from the previous unit) on `target`."""
+    grad are the unit's activations from the previous unit) on `target`; `hidden` marks
+    the element-wise work on whole hidden vectors (`Op.replicated`)."""
     params = [p for p in module.parameters() if p.requires_grad]
     exclude = {b.untyped_storage()._cdata for b in module.buffers()}
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     saved = _Saved(seq, exclude)
-    forward = _Recorder(seq)
+    forward = _Recorder(seq, hidden)
     with _DeviceKernels(), forward, torch.autograd.graph.saved_tensors_hooks(
             saved.pack, lambda t: t):
         out = module(*inputs)
     grad = None if out.dim() == 0 else torch.ones_like(out)
-    input_walk = _Recorder(seq)
+    input_walk = _Recorder(seq, hidden)
     if leaves:
         with input_walk:
             torch.autograd.grad(out, leaves, grad, retain_graph=True)
-    whole = _Recorder(seq)
+    whole = _Recorder(seq, hidden)
     with whole:
         torch.autograd.grad(out, leaves + params, grad)
-    f = sum(op.seconds(target) for op in forward.ops)
-    b = sum(op.seconds(target) for op in input_walk.ops)
-    total = sum(op.seconds(target) for op in whole.ops)
+    f, b, total = (_seconds(r.ops, target) for r in (forward, input_walk, whole))
+    rep_b = _seconds(input_walk.ops, target, True)
     return UnitPrice(
         forward=f, input_grad=b, weight_grad=max(0.0, total - b),
         forward_flops=float(sum(op.flops for op in forward.ops)),
@@ -212,6 +224,8 @@ def price(module: nn.Module, inputs: Sequence[Any], target: Target, seq: int) ->
         backward_flops=float(sum(op.flops for op in whole.ops)),
         core_seconds=sum(op.seconds(target) for op in forward.ops if op.core),
         core_flops=float(sum(op.flops for op in forward.ops if op.core)),
+        replicated=(_seconds(forward.ops, target, True), rep_b,
+                    max(0.0, _seconds(whole.ops, target, True) - rep_b)),
         saved=float(saved.total), saved_core=float(saved.core),
         input_bytes=float(sum(t.numel() * t.element_size() for t in leaves)),
         output_bytes=float(out.numel() * out.element_size()),

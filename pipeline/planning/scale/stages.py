@@ -1,7 +1,8 @@
 """Stage costs of one layout: the unit chain (embedding, `layers` x the one priced block,
 head) with each block's tensor-parallel collectives (Megatron's pairs: 2 all-reduces of the
 b x s x h activation in the forward and 2 in the backward on the tp group, or an all-gather
-and a reduce-scatter each under sequence parallelism; the vocabulary-parallel embedding's
+and a reduce-scatter each under sequence parallelism, which also runs the element-wise work
+on whole hidden vectors on 1/tp of the tokens; the vocabulary-parallel embedding's
 forward and the head's input-grad one more) and its recompute policy ("selective": the
 attention core redone in B, its seq x seq tensors not held; "full": the block's forward
 redone in B, only its input held), cut into pp x v stages by a min-max partition of
@@ -66,15 +67,17 @@ def _block(units: Units, layout: Layout, comm: float) -> UnitCost:
     blk, full, t = units.block, units.block_unsharded, layout.tp
     sp = layout.sequence_parallel and t > 1
     saved, core = (full.saved / t, full.saved_core / t) if sp else (blk.saved, blk.saved_core)
-    b = blk.input_grad + 2 * comm
+    # Sequence parallelism runs the norms, dropouts and residuals on 1/t of the tokens.
+    cut = 1 - 1 / t if sp else 0.0
+    f, b, w = (x - r * cut for x, r in zip((blk.forward, blk.input_grad, blk.weight_grad),
+                                           blk.replicated, strict=True))
+    f, b = f + 2 * comm, b + 2 * comm
     held, working = saved, 0.0
     if layout.recompute == "selective":
         b, held, working = b + blk.core_seconds, saved - core, core
     elif layout.recompute == "full":
-        b, held, working = b + blk.forward + 2 * comm, blk.input_bytes / t if sp else (
-            blk.input_bytes), saved
-    return UnitCost(blk.forward + 2 * comm, b, blk.weight_grad, held, working,
-                    blk.parameters, blk.output_bytes / t)
+        b, held, working = b + f, blk.input_bytes / t if sp else blk.input_bytes, saved
+    return UnitCost(f, b, w, held, working, blk.parameters, blk.output_bytes / t)
 
 
 def _edge(unit: UnitPrice, f_comm: float, b_comm: float, out: float) -> UnitCost:

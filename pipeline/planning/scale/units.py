@@ -41,7 +41,7 @@ def _priced(spec: TransformerSpec, target: Target, precision: str, tp: int, mbs:
         blocks = {t: block(spec, t).to(dtype) for t in {1, tp}}
     return Units(
         embed=price(embed, (ids,), target, s),
-        block=price(blocks[tp], (x,), target, s),
+        block=price(blocks[tp], (x,), target, s, h),
         head=price(head, (x, ids), target, s),
         block_unsharded=price(blocks[1], (x,), target, s),
         tp=tp, microbatch_size=mbs,
