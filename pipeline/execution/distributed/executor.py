@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from partitioner import StageModule
+from partitioner import Captured, StageModule
 from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_and_adopt
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
@@ -172,6 +172,16 @@ class DistributedExecutor(Executor):
         state, then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
         self.last_move = move_and_adopt(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
+
+    def measure_units(self, decision: Decision) -> Captured:
+        """As `Executor.measure_units`; not under shard="full", whose units hold shards."""
+        if self.shard == "full":
+            raise ValueError(
+                "under shard='full' each process holds shards of its units' weights, which "
+                "cannot be timed unit by unit; build the Pipeline with balance='profile' or "
+                "rebalance=True (global rank 0 profiles the units before the model is split)"
+            )
+        return super().measure_units(decision)
 
     def maximum(self, values: Tensor) -> Tensor:
         """The elementwise maximum of `values` over every process (float64, on the CPU)."""

@@ -163,6 +163,22 @@ def part_on_demand() -> None:
     checker.step_and_compare(3)
 
 
+def part_fsdp_unmeasured() -> None:
+    """pp=2 x dp=2, shard="full", balance="parameters": pipe.rebalance() on demand cannot time
+    sharded units; every process raises the same ValueError naming the fix, on the old plan."""
+    from pipeline import Pipeline
+
+    pipe = Pipeline(_tied_model(), stages=2, data_parallel=2, schedule="1f1b", microbatches=4,
+                    loss_fn=lm_loss, shard="full", balance="parameters", capture_method="fx")
+    for step in range(3):
+        x, y = global_batch(step, 8)
+        pipe.step(x, y)
+    sizes = pipe.plan.sizes
+    with pytest.raises(ValueError, match="balance='profile' or\\s+rebalance=True"):
+        pipe.rebalance()
+    assert pipe.plan.sizes == sizes and pipe.rebalanced is None
+
+
 def part_fail_move() -> None:
     """Pipeline rank 1 raises while the units move: every process raises (rank 0 a
     RankFailure naming rank 1) and keeps the old plan."""
@@ -199,7 +215,8 @@ def part_fail_move() -> None:
 # here); each part prints its marker when its checks passed. The failing move comes last.
 PARTS: dict[int, dict[str, Callable[[], None]]] = {
     2: {"adam_1f1b": part_adam_1f1b, "on_demand": part_on_demand, "fail_move": part_fail_move},
-    4: {"zb_pp4": part_zb_pp4, "dp2": part_dp2, "fsdp": part_fsdp},
+    4: {"zb_pp4": part_zb_pp4, "dp2": part_dp2, "fsdp": part_fsdp,
+        "fsdp_unmeasured": part_fsdp_unmeasured},
 }
 
 
@@ -251,6 +268,13 @@ def test_rebalance_on_demand_after_balance_by_parameters(
     runs: dict[int, list[Ended]], tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     _part_ran(runs, 2, "on_demand", tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_rebalance_on_demand_cannot_time_sharded_units(
+    runs: dict[int, list[Ended]], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _part_ran(runs, 4, "fsdp_unmeasured", tmp_path_factory)
 
 
 @pytest.mark.slow
