@@ -276,8 +276,9 @@ def gain(before: float, after: float) -> float:
 @dataclass(frozen=True)
 class Rebalance:
     """A re-partition proposed from measured costs: stage sizes (nodes per stage) before and
-    after, the calibrated predicted step time of each, and whether it was applied (only when
-    the gain 1 - after/before exceeds the threshold)."""
+    after, the calibrated predicted step time of each, whether it was applied (only when the
+    gain 1 - after/before exceeds the threshold), and `measured`: each stage's measured
+    seconds per microbatch (forward + backward) it started from."""
 
     before: list[int]
     after: list[int]
@@ -285,6 +286,7 @@ class Rebalance:
     predicted_after: float
     threshold: float
     applied: bool
+    measured: tuple[float, ...] = ()
 
     @property
     def gain(self) -> float:
@@ -292,10 +294,12 @@ class Rebalance:
 
     def __str__(self) -> str:
         verdict = "applied" if self.applied else f"kept the plan (gain <= {self.threshold:.0%})"
+        measured = (f" (measured {', '.join(f'{1e3 * t:.2f}' for t in self.measured)} ms "
+                    "per microbatch)" if self.measured else "")
         return (
-            f"re-balance from measured costs: stages {self.before} -> {self.after}, predicted "
-            f"step {1e3 * self.predicted_before:.2f} -> {1e3 * self.predicted_after:.2f} ms "
-            f"({self.gain:+.1%}); {verdict}"
+            f"re-balance from measured costs: stages {self.before}{measured} -> {self.after}, "
+            f"predicted step {1e3 * self.predicted_before:.2f} -> "
+            f"{1e3 * self.predicted_after:.2f} ms ({self.gain:+.1%}); {verdict}"
         )
 
 

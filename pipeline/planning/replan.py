@@ -129,6 +129,8 @@ def propose_rebalance(
         before=plan.sizes, after=new_plan.sizes, predicted_before=before,
         predicted_after=after, threshold=threshold,
         applied=gain(before, after) > threshold and new_plan.sizes != plan.sizes,
+        measured=tuple(f + b + w for f, b, w in zip(
+            measured.forward, measured.input_grad, measured.weight_grad, strict=True)),
     )
     return report, new_plan
 

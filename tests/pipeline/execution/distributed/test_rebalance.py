@@ -158,7 +158,9 @@ def part_on_demand() -> None:
     print(f"rank {dist.get_rank()}: {report}", flush=True)
     assert report is pipe.rebalanced and report.before == before, (report, before)
     assert report.predicted_before > 0 and report.predicted_after > 0, report
-    assert "applied" in str(report) and report.applied, report
+    assert len(report.measured) == 2 and min(report.measured) > 0, report  # every stage's
+    assert report.measured[1] > report.measured[0], report  # the slow rank's stage
+    assert "applied" in str(report) and "measured" in str(report) and report.applied, report
     assert report.after == pipe.plan.sizes and report.after[-1] < before[-1], (report, before)
     checker.step_and_compare(3)
 
