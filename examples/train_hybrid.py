@@ -10,8 +10,9 @@ draws one global batch of byte windows from the Python standard library's source
 number) and each replica trains on its share; a replica runs global batch / data_parallel /
 --microbatch-size microbatches, so fewer replicas run more microbatches of the same size and
 the losses do not depend on the layout. A `pipeline.Checkpointer` saves every --save-every
-steps (keeping --keep versions, asynchronously with --async-save) and, at start, resumes from
-the live checkpoint of --checkpoint if there is one (at any layout). Under
+steps into --checkpoint (out/hybrid-checkpoint; keeping --keep versions, asynchronously with
+--async-save) and, at start, resumes from its live version if there is one (at any layout):
+run the command again with a larger --steps to train on. Under
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --max-restarts 3 ...`` a run that
 loses a machine restarts on the survivors and carries on
 (tests/pipeline/elastic/test_elastic_fault.py).
@@ -59,7 +60,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--checkpoint", default="hybrid-checkpoint")
+    parser.add_argument("--checkpoint", default="out/hybrid-checkpoint",
+                        help="checkpoint directory: resumed from when it exists")
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2, help="checkpoint versions kept")
     parser.add_argument("--async-save", action="store_true", help="save in the background")
@@ -102,6 +104,10 @@ def main() -> None:
         print(f"world {layout.world_size} = data_parallel {layout.data_parallel} x stages "
               f"{layout.stages}; schedule {pipe.schedule.name}, {pipe.microbatches} "
               f"microbatches per replica; {resumed or 'starting afresh'}", flush=True)
+        if start >= args.steps:
+            print(f"nothing to train: {args.checkpoint} is at step {start} and --steps is "
+                  f"{args.steps}; pass --steps {start + args.steps} to train on, or another "
+                  "--checkpoint (or remove this one) to start afresh", flush=True)
         if args.losses:
             _log(args.losses, {"event": "start", "time": time.time(), "started": started,
                                "resumed": None if resumed is None else resumed.step})

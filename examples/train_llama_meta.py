@@ -9,8 +9,10 @@ runs 2 pipeline stages x 2 replicas. No process ever holds the whole model: each
 initialises only its stage (init_fn="reset_parameters": the model's own _init_weights, seeded
 by module name, so the weights do not depend on the layout). Each replica reads its share of
 a map-style dataset of byte windows (the Python standard library's source) through
-``pipe.replica_sampler``; a `Checkpointer` saves every --save-every steps and, when started
-again, resumes (model, optimizer, RNG, and the samples the job consumed, at any world size).
+``pipe.replica_sampler``; a `Checkpointer` saves every --save-every steps into --checkpoint
+(out/llama-checkpoint) and, when started again, resumes (model, optimizer, RNG, and the
+samples the job consumed, at any world size): run it again with a larger --steps to train on;
+the metrics lines number the steps on from the resumed one.
 --dtype float64 turns autocast off (exact runs for tests). Prints one metrics line every
 --log-every steps on global rank 0.
 """
@@ -59,7 +61,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float64"])
-    parser.add_argument("--checkpoint", default="llama-checkpoint")
+    parser.add_argument("--checkpoint", default="out/llama-checkpoint",
+                        help="checkpoint directory: resumed from when it exists")
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--log-every", type=int, default=5)
     args = parser.parse_args()
@@ -102,6 +105,10 @@ def main() -> None:
     if ctx.layout.rank == 0:
         print(f"world {ctx.layout.world_size} = {replicas} replicas x {ctx.layout.stages} "
               f"stages; {resumed or 'starting afresh'}", flush=True)
+        if step >= args.steps:
+            print(f"nothing to train: {args.checkpoint} is at step {step} and --steps is "
+                  f"{args.steps}; pass --steps {step + args.steps} to train on, or another "
+                  "--checkpoint (or remove this one) to start afresh", flush=True)
         pipe.log_metrics(every=args.log_every, to=lambda line: print(line, flush=True))
     while step < args.steps:
         for x, y in loader:

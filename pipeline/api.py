@@ -253,11 +253,26 @@ class Pipeline:
         self, every: int | None = 10, *, peak_flops: float | None = None,
         to: Callable[[str], None] | None = None,
     ) -> None:
-        """Log `metrics` every `every` steps (None: stop) on the "hybridpipe" logger at INFO,
-        or through `to` (e.g. ``print``). `peak_flops`: one device's dense peak FLOP/s for
-        MFU (default: read from the device's name for the arithmetic the step runs in; none
-        on CPU). Every process logs its own ranks' memory."""
+        """Show `metrics` as one line every `every` steps (None: stop): printed, or on the
+        "hybridpipe" logger at INFO when logging is set up to show it (``logging.basicConfig(
+        level=logging.INFO)``), or through `to` (e.g. a file's write). `peak_flops`: one
+        device's dense peak FLOP/s for MFU (default: read from the device's name for the
+        arithmetic the step runs in; none on CPU). Every process shows its own ranks' memory.
+        Step numbers count on from `steps_done` (a resumed run's)."""
         self._metrics.configure(every, peak_flops, to)
+
+    @property
+    def steps_done(self) -> int:
+        """Training steps run, counted on from a resumed checkpoint's (`Checkpointer.resume`
+        sets it; set it yourself after ``load_checkpoint``): `metrics.step` and the
+        `log_metrics` lines number the next step ``steps_done + 1``."""
+        return self._metrics.steps
+
+    @steps_done.setter
+    def steps_done(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps_done={steps!r}: give the number of steps done, an int >= 0")
+        self._metrics.steps = steps
 
     @one_at_a_time
     def forward(self, x: Batch | None) -> Any:

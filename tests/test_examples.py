@@ -1,6 +1,8 @@
 """The examples run, at tiny sizes: GPT-2 fine-tuning with validation passes (one process), a
 ResNet with BatchNorm trained and evaluated (one process), and the Llama-style model built on
-meta under torchrun (bf16, shard="full") checkpointing and resuming at another world size."""
+meta under torchrun (bf16, shard="full") checkpointing under out/ and resuming at another world
+size, its metrics numbered on from the resumed step, and a rerun with nothing left to train
+saying how to go on."""
 
 from __future__ import annotations
 
@@ -50,13 +52,25 @@ def _torchrun(nproc: int, script: str, *args: str, cwd: Path) -> str:
 
 @pytest.mark.slow
 def test_llama_meta_example_checkpoints_and_resumes(tmp_path: Path) -> None:
+    """Checkpoints go under out/; a rerun resumes at another world size and its metrics lines
+    number the steps on from the resumed one; a rerun with nothing left to train says where it
+    is and how to go on (--steps), rather than exiting silently."""
     out = _torchrun(4, "train_llama_meta.py", "--stages", "2", "--steps", "4", "--save-every",
                     "2", "--log-every", "2", *TINY, cwd=tmp_path)
     assert "world 4 = 2 replicas x 2 stages; starting afresh" in out
     assert "hybridpipe: step 2 | loss" in out and "tokens/s" in out
-    assert sorted(p.name for p in (tmp_path / "llama-checkpoint").iterdir())[-1] == "v-000002"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out" / "llama-checkpoint").iterdir())[-1] == (
+        "v-000002")
     out = _torchrun(2, "train_llama_meta.py", "--stages", "2", "--steps", "6", "--save-every",
-                    "2", *TINY, cwd=tmp_path)
+                    "2", "--log-every", "1", *TINY, cwd=tmp_path)
     assert "world 2 = 1 replicas x 2 stages; resumed after step 4" in out
     assert "saved at stages=2 x data_parallel=2, loaded at stages=2 x data_parallel=1" in out
     assert "step 6 done" in out
+    assert "hybridpipe: step 5 | loss" in out and "hybridpipe: step 6 | loss" in out
+    assert "hybridpipe: step 1 |" not in out
+    out = _torchrun(2, "train_llama_meta.py", "--stages", "2", "--steps", "6", *TINY,
+                    cwd=tmp_path)
+    assert "resumed after step 6" in out
+    assert ("nothing to train: out/llama-checkpoint is at step 6 and --steps is 6; pass "
+            "--steps 12 to train on") in out

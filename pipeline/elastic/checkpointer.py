@@ -178,6 +178,7 @@ class Checkpointer:
             saved_layout=meta["layout"], layout=_layout(self.pipe),
             seconds=time.perf_counter() - started,
         )
+        self.pipe.steps_done = resumed.step  # metrics number the steps on from here
         log.info("hybridpipe: %s", resumed)
         return resumed
 

@@ -161,23 +161,47 @@ class StepMetrics:
             return None
         return achieved / (self.peak_flops * self.devices)
 
+    def _compute(self) -> str | None:
+        """Achieved FLOP/s and MFU as text; None when the FLOPs are not known."""
+        achieved = self.flops_per_s
+        if achieved is None:
+            return None
+        mfu = self.mfu
+        return f"{format_flops(achieved)}/s" + (
+            f" MFU {mfu:.1%} of {format_flops(self.peak_flops)}/s x {self.devices}"
+            if mfu is not None and self.peak_flops else " (MFU: no peak known, pass "
+            "peak_flops=)")
+
+    def _memory(self) -> str:
+        memory = " ".join(f"rank{r} {format_bytes(b)}" for r, b in sorted(self.peak_memory.items()))
+        return f"{memory} ({self.memory_source})"
+
     def line(self) -> str:
         """The log line: step, loss, throughput, FLOP/s and MFU, bubble, memory per rank."""
         parts = [f"step {self.step}", f"loss {float(self.loss):.4f}",
                  f"{self.seconds * 1e3:.1f} ms", f"{self.samples_per_s:,.1f} samples/s"]
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
-        achieved = self.flops_per_s
-        if achieved is not None:
-            mfu = self.mfu
-            parts.append(f"{format_flops(achieved)}/s" + (
-                f" MFU {mfu:.1%} of {format_flops(self.peak_flops)}/s x {self.devices}"
-                if mfu is not None and self.peak_flops else " (MFU: no peak known, pass "
-                "peak_flops=)"))
+        compute = self._compute()
+        if compute is not None:
+            parts.append(compute)
         parts.append(f"bubble {self.bubble:.1%}")
-        memory = " ".join(f"rank{r} {format_bytes(b)}" for r, b in sorted(self.peak_memory.items()))
-        parts.append(f"peak memory {memory} ({self.memory_source})")
+        parts.append(f"peak memory {self._memory()}")
         return "hybridpipe: " + " | ".join(parts)
+
+    def __str__(self) -> str:
+        """What ``print(pipe.metrics)`` shows: one figure a line, in units people read."""
+        tokens = ("no sequence dim" if self.tokens_per_s is None
+                  else f"{self.tokens_per_s:,.0f}")
+        rows = [
+            f"step {self.step}: loss {float(self.loss):.4f}, {self.seconds * 1e3:.1f} ms",
+            f"  samples/s    {self.samples_per_s:,.1f} ({self.samples} a step)",
+            f"  tokens/s     {tokens}",
+            f"  FLOP/s, MFU  {self._compute() or 'not counted'}",
+            f"  bubble       {self.bubble:.1%}",
+            f"  peak memory  {self._memory()}",
+        ]
+        return "\n".join(rows)
 
 
 def format_flops(flops: float) -> str:
@@ -222,6 +246,16 @@ def peak_memory(devices: dict[int, torch.device]) -> tuple[dict[int, int], str]:
     return peaks, ", ".join(sorted(sources))
 
 
+def shown(text: str) -> None:
+    """A metrics line where the user sees it: on the "hybridpipe" logger when logging is set
+    up to show its INFO records (a handler and the level), else printed (Python's default
+    logging drops INFO, so a line logged there by default would never be seen)."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", text)
+    else:
+        print(text, flush=True)
+
+
 class Metrics:
     """The figures of a Pipeline's steps: `record` after each step; `last` the latest
     `StepMetrics`; a log line every `every` steps when asked (`configure`)."""
@@ -232,7 +266,7 @@ class Metrics:
         self.steps = 0
         self.every: int | None = None
         self.peak_flops: float | None = None
-        self.emit: Callable[[str], None] = lambda text: log.info("%s", text)
+        self.emit: Callable[[str], None] = shown
 
     def configure(
         self, every: int | None, peak_flops: float | None,
@@ -247,8 +281,7 @@ class Metrics:
                 "(e.g. 989e12 for an H100 in bf16), or None to read it from the device"
             )
         self.every, self.peak_flops = every, peak_flops
-        if to is not None:
-            self.emit = to
+        self.emit = shown if to is None else to
 
     def record(
         self, *, loss: Tensor, seconds: float, rows: int, seq: int | None, replicas: int,

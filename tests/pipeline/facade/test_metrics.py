@@ -115,3 +115,60 @@ def test_format() -> None:
     assert metrics.format_bytes(512) == "512 B"
     assert metrics.format_bytes(1000 * 2**20) == "1000 MiB"  # not "1e+03 MiB"
     assert metrics.format_bytes(2.5 * 2**40) == "2560 GiB"
+
+
+def _gpt_pipe() -> tuple[Pipeline, torch.Tensor]:
+    from pipeline.app.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=32, dim=16, layers=2, heads=2, max_seq=8)
+    x = torch.randint(0, 32, (4, 8))
+    return Pipeline(model, stages=2, microbatches=2,
+                    loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1),
+                                                                       y.flatten())), x
+
+
+def test_printed_metrics_read_as_figures_and_lines_reach_the_user(
+        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """print(pipe.metrics): samples/s, tokens/s, MFU, bubble and peak memory in MiB or GiB,
+    not the dataclass's fields. log_metrics() without `to` prints the line when logging is
+    not set up to show INFO (Python's default drops it), and logs it when it is."""
+    pipe, x = _gpt_pipe()
+    pipe.log_metrics(every=1, peak_flops=1e9)
+    pipe.step(x, x)
+    out = capsys.readouterr().out
+    assert out.startswith("hybridpipe: step 1 | loss "), out
+    text = str(pipe.metrics)
+    for part in ("samples/s", "tokens/s", "MFU", "of 1 GFLOP/s x 2", "bubble", "peak memory"):
+        assert part in text, text
+    assert re.search(r"rank0 [\d.]+ [MG]iB", text) and "seconds=" not in text, text
+    assert text.splitlines()[0].startswith("step 1: loss ")
+    caplog.set_level("INFO", logger="hybridpipe")
+    pipe.step(x, x)
+    assert capsys.readouterr().out == ""
+    assert [r.getMessage()[:20] for r in caplog.records if r.name == "hybridpipe"] == [
+        "hybridpipe: step 2 |"]
+
+
+def test_step_numbers_continue_after_a_resume(tmp_path: Any,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A Checkpointer's resume sets steps_done: the metrics and their lines number the next
+    step after the resumed one, not 1 again."""
+    from pipeline import Checkpointer
+
+    pipe, x = _gpt_pipe()
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ckpt = Checkpointer(pipe, tmp_path / "ckpt", opt, every=3)
+    for step in range(3):
+        pipe.step(x, x)
+        ckpt.maybe_save(step + 1)
+    again, _ = _gpt_pipe()
+    resumed = Checkpointer(again, tmp_path / "ckpt", torch.optim.SGD(again.parameters(),
+                                                                     lr=0.1)).resume()
+    assert resumed is not None and resumed.step == again.steps_done == 3
+    again.log_metrics(every=1, to=print)
+    again.step(x, x)
+    assert again.metrics is not None and again.metrics.step == 4
+    assert capsys.readouterr().out.startswith("hybridpipe: step 4 | loss ")
+    with pytest.raises(ValueError, match="steps_done=-1"):
+        again.steps_done = -1
