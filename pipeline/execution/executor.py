@@ -154,8 +154,11 @@ class Executor(ABC):
         captured = decision.captured
         held = {v for s in self.held() for v in decision.plan.stages[s]}
         whole = held == set(captured.order)
+        # B and W timed apart where a schedule may split the backward (an "auto" one may
+        # be re-synthesised into one that does), as the planner times them.
+        splits = decision.schedule.splits_backward or decision.auto is not None
         runner = None if self.compile is None else functools.partial(
-            self.profiled_unit, splits=decision.schedule.splits_backward)
+            self.profiled_unit, splits=splits)
         costs = measure(captured, decision.model,
                         decision.example if whole else decision.capture.rows,
                         self.coordination.device, runner, units=None if whole else held)
