@@ -1,8 +1,9 @@
 """The local CPU as a `Target`, its constants measured by a short microbenchmark (a few
 seconds, once, then cached as JSON): matrix-product FLOP/s, memory bandwidth (a large copy),
-the least an op costs (a tiny add), and gloo between two processes on this host (a small
-send's latency, a large send's bandwidth, a small all-reduce's base). Never fitted to
-training steps: a step predicted from these alone is the check."""
+the least an op costs (tiny ops recorded by autograd and their backward, per kernel), and
+gloo between two processes on this host (a small send's latency, a large send's bandwidth,
+a small all-reduce's base). Never fitted to training steps: a step predicted from these
+alone is the check."""
 
 from __future__ import annotations
 
@@ -40,9 +41,21 @@ def _compute(dtype: torch.dtype) -> dict[str, float]:
     big = torch.empty(8 * 2**20, dtype=torch.float32)  # 32 MiB: past the caches
     out = torch.empty_like(big)
     bandwidth = 2 * big.numel() * 4 / _best(lambda: out.copy_(big))
-    x, y = torch.ones(64), torch.ones(64)
-    floor = statistics.median(_best(lambda: torch.add(x, y), 3) for _ in range(20))
-    return {"gemm": gemm, "bandwidth": bandwidth, "floor": floor}
+    return {"gemm": gemm, "bandwidth": bandwidth, "floor": _floor(dtype)}
+
+
+def _floor(dtype: torch.dtype, ops: int = 16) -> float:
+    """The least a training op costs: a chain of `ops` tiny multiplies recorded by autograd,
+    then its backward (one kernel each way, plus the sum and its seed), per kernel."""
+    x = torch.ones(64, dtype=dtype, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return statistics.median(_best(chain, 3) for _ in range(10)) / (2 * ops + 3)
 
 
 def _gloo_worker(rank: int, path: str, result: str) -> None:
@@ -92,7 +105,7 @@ def measure() -> dict[str, Any]:
 
 def _cache_file() -> Path:
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridpipe")
-    return root / f"local-target-{platform.node()}-{torch.__version__}.json"
+    return root / f"local-target-v2-{platform.node()}-{torch.__version__}.json"
 
 
 def measured(refresh: bool = False) -> dict[str, Any]:

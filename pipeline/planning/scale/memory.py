@@ -51,14 +51,15 @@ class Memory:
         return {**asdict(self), "total": self.total}
 
 
-def _state(params: float, precision: str, zero: str, dp: int) -> tuple[float, float, float]:
+def state(params: float, precision: str, zero: str, dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of `params` parameters."""
     pb = param_bytes(precision)
-    state = 8 if precision == "fp32" else 12
+    kept = 8 if precision == "fp32" else 12
     if zero == "zero1":
-        return params * pb, params * pb, params * state / dp
+        return params * pb, params * pb, params * kept / dp
     if zero == "fsdp":
-        return params * pb * (1 + 1 / dp), params * pb, params * state / dp
-    return params * pb, params * pb, params * state
+        return params * pb * (1 + 1 / dp), params * pb, params * kept / dp
+    return params * pb, params * pb, params * kept
 
 
 def memory_per_rank(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
@@ -69,7 +70,7 @@ def memory_per_rank(job: Job, layout: Layout, costs: StageCosts, schedule: Sched
     for rank in range(schedule.num_ranks):
         stages = schedule.stages_of(rank)
         params = sum(costs.parameters[s] for s in stages)
-        weights, grads, optimizer = _state(params, job.precision, layout.zero, dp)
+        weights, grads, optimizer = state(params, job.precision, layout.zero, dp)
         buffers = 2 * max(costs.boundary[s] for s in stages) + (2 * BUCKET if dp > 1 else 0)
         out.append(Memory(weights, grads, optimizer, held[rank],
                           max(costs.working[s] for s in stages), buffers))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.planning.scale.layout import RECOMPUTE, SYNTH, ZERO, Job, Layout
-from pipeline.planning.scale.memory import memory_per_rank
+from pipeline.planning.scale.memory import memory_per_rank, state
 from pipeline.planning.scale.predict import (
     Prediction,
     Simulated,
@@ -211,10 +211,8 @@ def _try(job: Job, layout: Layout, ranking: _Ranking, memo: _Memo) -> None:
 def _least_memory(job: Job, layout: Layout, costs: StageCosts, dp: int) -> float:
     """A floor on the largest rank's bytes under ZeRO-1, with no schedule built: its
     parameter state plus one microbatch held in each of its stages."""
-    state = 4 + (12 if job.precision != "fp32" else 8) / dp
-    pb = 2 if job.precision != "fp32" else 4
-    return max(sum(costs.parameters[s] * (state * pb / 2) + costs.held[s]
-                   for s in _stages_of(layout, r)) for r in range(layout.pp))
+    return max(sum(sum(state(costs.parameters[s], job.precision, "zero1", dp))
+                   + costs.held[s] for s in _stages_of(layout, r)) for r in range(layout.pp))
 
 
 def _reason(message: str) -> str:
