@@ -61,3 +61,16 @@ def test_getting_started_code_runs_as_written(tmp_path: Path, monkeypatch: Any,
     out = capsys.readouterr().out
     assert "starting afresh" in out and "resumed after step 20 from 'out/ckpt" in out
     assert "samples/s" in out and "bubble" in out
+
+
+def test_guides_keep_the_current_figures_and_leave_history_to_the_results() -> None:
+    """The user guides give the current figure and its command; earlier runs, the runs'
+    letters and numbers, and the project's issue numbers live in
+    benchmarks/results/history.md."""
+    history = ROOT / "benchmarks" / "results" / "history.md"
+    assert "| run (load average) |" in history.read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        ours = re.sub(r"(nccl-tests|NCCL) issue \d+", "", text)  # others' issues cited
+        assert not re.search(r"\bissue \d+", ours), page.name
+        assert not re.search(r"Runs? [a-d] / [a-d]|\bruns? \d+-\d+\b|\| run ", text), page.name
