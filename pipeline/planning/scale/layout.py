@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields
 from pipeline.planning.hardware.targets import Target
 from pipeline.planning.scale.transformer import TransformerSpec
 from scheduler import SCHEDULES
+from scheduler.synthesize import SYNTH
 
 RECOMPUTE = ("none", "selective", "full")
 ZERO = ("none", "zero1", "fsdp")
-SYNTH = "synth"
 
 
 @dataclass(frozen=True)

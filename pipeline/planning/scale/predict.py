@@ -148,13 +148,13 @@ def _flops(job: Job, units: Units, layout: Layout) -> tuple[float, float]:
     return model, model + job.spec.layers * redo[layout.recompute]
 
 
-def build(layout: Layout, costs: StageCosts, memory_room: list[int] | None) -> Schedule:
+def build(layout: Layout, costs: StageCosts) -> Schedule:
     """The layout's schedule: its generator's, or one synthesised for these costs."""
     if layout.schedule != SYNTH:
         return build_schedule(layout.schedule, layout.pp, layout.microbatches,
                               layout.virtual_stages)
     b = list(costs.input_grad)
-    limit = memory_room or layout.pp * layout.virtual_stages * layout.microbatches
+    limit = layout.pp * layout.virtual_stages * layout.microbatches  # memory checked after
     return synthesize(layout.pp, layout.microbatches, costs.forward, b, costs.weight_grad,
                       memory_limit=limit, virtual_stages=layout.virtual_stages,
                       time_limit=2.0)
@@ -182,11 +182,10 @@ def costs_of(job: Job, layout: Layout) -> tuple[int, int, Units, StageCosts]:
     return dp, mbs, units, stage_costs(job, layout, units)
 
 
-def simulate_layout(job: Job, layout: Layout, schedule: Schedule | None = None,
-                    memory_room: list[int] | None = None) -> Simulated:
+def simulate_layout(job: Job, layout: Layout, schedule: Schedule | None = None) -> Simulated:
     """Price and simulate `layout`'s pipeline (`schedule` given: run that one)."""
     dp, mbs, units, costs = costs_of(job, layout)
-    sched = schedule or build(layout, costs, memory_room)
+    sched = schedule or build(layout, costs)
     times = _simulate(job, layout, costs, sched)
     return Simulated(layout, dp, mbs, units, costs, sched, times,
                      _last_backwards(sched, times))

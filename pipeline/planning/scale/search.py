@@ -171,7 +171,7 @@ class _Memo:
     def schedule(self, layout: Layout, costs: StageCosts) -> Schedule:
         key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
         if key not in self.schedules:
-            self.schedules[key] = build(layout, costs, None)
+            self.schedules[key] = build(layout, costs)
         return self.schedules[key]
 
 

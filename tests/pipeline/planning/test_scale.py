@@ -154,3 +154,14 @@ def test_search_ranks_fitting_layouts_and_counts_rejections() -> None:
     assert tight.rejected.get("over the memory cap", 0) > 0
     assert all(c.max_memory <= tight.memory_limit for c in tight.candidates)
     assert "rejected" in tight.table()
+
+
+def test_synthesised_schedule_and_fp32_state() -> None:
+    job = _job(world=2, batch=8)
+    synth = predict(job, parse_layout("pp=2,microbatches=4,schedule=synth"))
+    assert synth.built is not None and "actions" in synth.to_dict()
+    one_f_one_b = predict(job, parse_layout("pp=2,microbatches=4,schedule=1f1b"))
+    assert synth.pipeline_time <= one_f_one_b.pipeline_time * 1.001
+    fp32 = predict(Job(job.spec, A100, 2, 8, "fp32"), parse_layout("pp=2,microbatches=4"))
+    mem = fp32.memory  # fp32 Adam: 4 (weight) + 4 (gradient) + 8 (moments) per parameter
+    assert mem.weights == mem.gradients == mem.optimizer / 2
