@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.planning.hardware.collectives import Placement, collective_seconds, p2p_seconds
 from pipeline.planning.scale.layout import SYNTH, Job, Layout, fit
-from pipeline.planning.scale.memory import Memory, memory_per_rank, param_bytes
+from pipeline.planning.scale.memory import Memory, memory_per_rank, param_bytes, zero3
 from pipeline.planning.scale.stages import StageCosts, stage_costs
 from pipeline.planning.scale.units import Units, priced_units
 from scheduler import Schedule, build_schedule, synthesize
@@ -123,7 +123,7 @@ def _sync(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
     ends, after = [], []
     for rank, finishes in enumerate(sim.last_backwards):
         t = 0.0
-        for finish, stage in finishes:
+        for finish, stage in ([] if zero3(layout) else finishes):
             t = max(t, finish) + collective_seconds(
                 net, kind, costs.parameters[stage] * pbytes, group)
         ends.append(max(t, sim.times[rank][-1][1] if sim.times[rank] else 0.0))
@@ -132,10 +132,23 @@ def _sync(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
         target = job.target
         optimizer = shard * (ADAM_BYTES + 2 * pbytes) / (
             target.memory_bandwidth * target.memory_efficiency)
-        gather = 0.0 if layout.zero == "none" else collective_seconds(
+        gather = 0.0 if layout.zero == "none" or zero3(layout) else collective_seconds(
             net, "all_gather", params * pbytes, group)
         after.append(optimizer + gather)
     return ends, after
+
+
+def _zero3_exposed(job: Job, layout: Layout, sim: Simulated) -> float:
+    """FSDP without a pipeline: each microbatch all-gathers the weights for its forward and
+    again for its backward and reduce-scatters the gradients, unit by unit, prefetched under
+    the compute; what the compute cannot hide, per microbatch."""
+    costs, group = sim.costs, dp_group(job, layout, sim.dp)
+    nbytes = costs.parameters[0] * param_bytes(job.precision)
+    net = job.target.network
+    comm = (2 * collective_seconds(net, "all_gather", nbytes, group)
+            + collective_seconds(net, "reduce_scatter", nbytes, group))
+    compute = costs.forward[0] + costs.input_grad[0] + costs.weight_grad[0]
+    return layout.microbatches * max(0.0, comm - compute)
 
 
 def _flops(job: Job, units: Units, layout: Layout) -> tuple[float, float]:
@@ -199,6 +212,9 @@ def finish(job: Job, sim: Simulated, zero: str | None = None) -> Prediction:
     makespan = max(t[-1][1] for t in times if t) - start
     ends, after = _sync(job, layout, sim.costs, sim.schedule, sim)
     step = max(e + a for e, a in zip(ends, after, strict=True)) - start
+    if zero3(layout):
+        exposed = _zero3_exposed(job, layout, sim)
+        step, ends = step + exposed, [e + exposed for e in ends]
     busy = sum(e - s for rank in times for s, e in rank)
     memory = memory_per_rank(job, layout, sim.costs, sim.schedule, dp)
     model, executed = _flops(job, sim.units, layout)

@@ -2,9 +2,10 @@
 with its chunks, recompute) that fits, each priced and simulated once (`predict`) and
 finished for every ZeRO choice (none, ZeRO-1, FSDP2), ranked by predicted step time under
 the memory cap (the target's capacity unless given), plus schedules synthesised for the
-best few configurations. A layout is not simulated when its memory at the least (ZeRO-1's)
-already exceeds the cap, or when its lower bound (the slowest rank's wait for the first
-forwards plus all its work) cannot beat the `keep`-th best; the plan counts each reason."""
+best few configurations. A layout is not simulated when its memory at the least (under
+FSDP without a pipeline, ZeRO-1 with one) already exceeds the cap, or when its lower bound
+(the slowest rank's wait for the first forwards plus all its work) cannot beat the
+`keep`-th best; the plan counts each reason."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.planning.scale.layout import RECOMPUTE, SYNTH, ZERO, Job, Layout
-from pipeline.planning.scale.memory import memory_per_rank, state
+from pipeline.planning.scale.memory import memory_per_rank, state, zero3
 from pipeline.planning.scale.predict import (
     Prediction,
     Simulated,
@@ -201,18 +202,26 @@ def _try(job: Job, layout: Layout, ranking: _Ranking, memo: _Memo) -> None:
     except ValueError as err:
         ranking.rejected[_reason(str(err))] += 1
         return
-    least = memory_per_rank(job, replace(layout, zero="zero1"), costs, schedule, dp)
+    least = memory_per_rank(job, _leanest(layout), costs, schedule, dp)
     if max(m.total for m in least) > ranking.limit:
         ranking.rejected["over the memory cap"] += 1
     else:
         ranking.offer(simulate_layout(job, layout, schedule), job)
 
 
+def _leanest(layout: Layout) -> Layout:
+    """The layout with the ZeRO choice that holds the least: FSDP resharding after forward
+    without a pipeline, ZeRO-1 with one."""
+    return replace(layout, zero="fsdp" if layout.pp == 1 else "zero1")
+
+
 def _least_memory(job: Job, layout: Layout, costs: StageCosts, dp: int) -> float:
-    """A floor on the largest rank's bytes under ZeRO-1, with no schedule built: its
-    parameter state plus one microbatch held in each of its stages."""
-    return max(sum(sum(state(costs.parameters[s], job.precision, "zero1", dp))
-                   + costs.held[s] for s in _stages_of(layout, r)) for r in range(layout.pp))
+    """A floor on the largest rank's bytes under its leanest ZeRO choice, with no schedule
+    built: its parameter state plus one microbatch held in each of its stages."""
+    lean = _leanest(layout)
+    return max(sum(sum(state(costs.parameters[s], job.precision, lean.zero, dp,
+                             zero3(lean))) + costs.held[s] for s in _stages_of(layout, r))
+               for r in range(layout.pp))
 
 
 def _reason(message: str) -> str:

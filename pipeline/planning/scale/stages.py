@@ -38,7 +38,8 @@ class UnitCost:
 @dataclass(frozen=True)
 class StageCosts:
     """Per stage: F, B, W seconds, held activation bytes per microbatch, the largest
-    recompute working set, parameters, and the bytes crossing to the next stage."""
+    recompute working set, parameters, the bytes crossing to the next stage, its unit count
+    and its largest unit's parameters."""
 
     forward: list[float]
     input_grad: list[float]
@@ -48,6 +49,7 @@ class StageCosts:
     parameters: list[int]
     boundary: list[float]
     sizes: list[int]
+    largest_unit: list[int]
 
 
 def tp_collective(job: Job, layout: Layout, nbytes: float) -> float:
@@ -142,4 +144,5 @@ def stage_costs(job: Job, layout: Layout, units: Units) -> StageCosts:
         parameters=[sum(u.parameters for u in s) for s in stages],
         boundary=[s[-1].output for s in stages],
         sizes=sizes,
+        largest_unit=[max(u.parameters for u in s) for s in stages],
     )

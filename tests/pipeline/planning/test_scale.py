@@ -165,3 +165,14 @@ def test_synthesised_schedule_and_fp32_state() -> None:
     fp32 = predict(Job(job.spec, A100, 2, 8, "fp32"), parse_layout("pp=2,microbatches=4"))
     mem = fp32.memory  # fp32 Adam: 4 (weight) + 4 (gradient) + 8 (moments) per parameter
     assert mem.weights == mem.gradients == mem.optimizer / 2
+
+
+def test_fsdp_without_a_pipeline_shards_everything_and_pays_its_gathers() -> None:
+    job = _job(world=8, batch=8)
+    zero1 = predict(job, parse_layout("pp=1,microbatches=1,zero=zero1"))
+    fsdp = predict(job, parse_layout("pp=1,microbatches=1,zero=fsdp"))
+    mem = fsdp.memory
+    assert mem.weights == pytest.approx(zero1.memory.weights / 8)  # ZeRO-3: 16-bit weights
+    assert mem.gradients == pytest.approx(zero1.memory.gradients / 8)  # and grads sharded
+    assert mem.optimizer == pytest.approx(zero1.memory.optimizer)
+    assert fsdp.step_time >= zero1.pipeline_time
