@@ -86,6 +86,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _one_rank(schedules: Sequence[str]) -> list[str]:
+    """The schedule a single pipeline rank is tried with (1F1B when asked for)."""
+    plain = [n for n in schedules if n not in _CHUNKS]
+    return ["1f1b"] if "1f1b" in plain else plain[:1]
+
+
 def layouts(job: Job, schedules: Sequence[str]) -> Iterator[Layout]:
     """Every layout of generator schedules the sizes allow (ZeRO left to `finish`)."""
     g = job.gpus_per_node
@@ -100,7 +106,8 @@ def layouts(job: Job, schedules: Sequence[str]) -> Iterator[Layout]:
                 m = job.batch_size // (dp * mbs)
                 if pp > 1 and not pp <= m <= 8 * pp:
                     continue  # past 8 x pp the 1F1B bubble is under 11%: m only shrinks
-                for name in schedules:
+                # One rank runs its actions back to back whatever the schedule: try one.
+                for name in schedules if pp > 1 else _one_rank(schedules):
                     for v in (_CHUNKS.get(name, (1,)) if pp > 1 else (1,)):
                         if pp * v > job.spec.layers + 2:
                             continue
