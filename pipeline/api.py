@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import networkx as nx
@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, Sampler
 
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
+from partitioner.tp_plan import TPPlan
 from pipeline.execution.compiled import CompileStats, compile_options
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
@@ -101,6 +102,13 @@ class Pipeline:
     - ``compile``: True, or a dict of torch.compile arguments (mode, backend, dynamic,
       fullgraph, options): every stage's forward and backward run compiled, equal blocks
       sharing one artefact; split-backward schedules keep B and W apart (docs/compile.md).
+    - ``tensor_parallel``: processes sharing each stage's width (torchrun; world =
+      data_parallel x stages x tensor_parallel, tp ranks consecutive); the plan is derived
+      from the captured graph (Megatron pairs, attention by heads, vocab-parallel embedding),
+      see docs/tensor-parallel.md.
+    - ``tp_plan``: instead, rules ``{"module path glob": "colwise" | "rowwise" |
+      "replicate"}`` (or torch's ColwiseParallel / RowwiseParallel); ``pipe.tp_plan`` shows
+      what was applied.
     - ``compile_timeout``: with ``compile=``, the seconds a wait may take in a step in which
       a process may be compiling (the first step of each batch shape, and setup), instead of
       ``timeout`` (never less; default $HYBRIDPIPE_COMPILE_TIMEOUT, else 1800).
@@ -130,6 +138,7 @@ class Pipeline:
         shard: str | None = None, reduce_dtype: torch.dtype | None = None,
         compile: bool | dict[str, Any] = False,  # noqa: A002 - torch.compile's name
         compile_timeout: float | None = None,
+        tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -137,6 +146,11 @@ class Pipeline:
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
         self._layouts: AutoPlan | None = None
         layout = agreement = None
+        if stages == "auto" and tensor_parallel != 1:
+            raise ValueError(
+                f"stages='auto' does not choose a layout with tensor_parallel="
+                f"{tensor_parallel} yet; give stages (world = data_parallel x stages x "
+                "tensor_parallel)")
         if stages == "auto":  # planning's first step: the layout for the world
             layout, agreement = auto_layout(
                 model, example_input, schedule=schedule, microbatches=microbatches,
@@ -156,7 +170,7 @@ class Pipeline:
         self.checkpoint_activations = check_policies(checkpoint_activations, memory_limit)
         self.timeout = resolve_timeout(timeout)
         self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard,
-                                      agreement)
+                                      agreement, tensor_parallel, tp_plan)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
@@ -320,6 +334,13 @@ class Pipeline:
     def plan(self) -> Plan:
         """The partition (stages, nodes, predicted costs, imbalance)."""
         return self._setup.require_plan().plan
+
+    @property
+    def tp_plan(self) -> TPPlan | None:
+        """With ``tensor_parallel`` > 1, the tensor-parallel plan applied to the stages this
+        process holds (each parameter's split dim and why, what stays replicated and its
+        bytes; ``print(pipe.tp_plan)``); None without tensor parallelism or before the plan."""
+        return self._executor.tp_plan
 
     def count_saved_activations(self) -> dict[int, SavedBytes]:
         """Count, from the next step on, the bytes each pipeline rank run in this process

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from partitioner import Captured, StageModule, UnitCosts
 from partitioner.saved_bytes import SavedBytes
+from partitioner.tp_plan import TPPlan
 from pipeline.execution.compiled import (
     CompileOptions,
     CompileStats,
@@ -55,6 +56,7 @@ class Executor(ABC):
     coordination: Coordination
     context: DistContext | None = None
     shard: str | None = None
+    tp_plan: TPPlan | None = None  # the tensor-parallel plan applied (distributed, tp > 1)
 
     def __init__(self) -> None:
         self.planned: Decision | None = None  # the running decision (`load`, then `adopt`)

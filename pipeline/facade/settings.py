@@ -3,7 +3,7 @@ of executor (local threads, or torch.distributed inside torchrun)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,11 +57,26 @@ def executor_for(
     timeout: float,
     shard: object = None,
     agreement: Agreement | None = None,
+    tensor_parallel: int = 1,
+    tp_plan: object = None,
 ) -> Executor:
     """The distributed executor inside torchrun (torch.distributed initialised), else the
-    local one (without `shard`: sharding needs data-parallel replicas). `agreement`: the
-    distributed Pipeline's setup agreement when its layout was chosen with it already."""
+    local one (without `shard`: sharding needs data-parallel replicas; without
+    `tensor_parallel`: one process per tp rank). `agreement`: the distributed Pipeline's
+    setup agreement when its layout was chosen with it already."""
     shard = check_shard(shard)
+    tensor_parallel = check_int(tensor_parallel, "tensor_parallel", 1,
+                                "give the number of processes sharing each stage's width")
+    if tp_plan is not None and not isinstance(tp_plan, Mapping):
+        raise TypeError(
+            f"tp_plan must be a dict of module path glob -> 'colwise' | 'rowwise' | "
+            f"'replicate', got {tp_plan!r} ({type(tp_plan).__name__})")
+    if tensor_parallel > 1 and not dist.is_initialized():
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} runs each stage's width on {tensor_parallel} "
+            "processes, which needs the distributed executor: launch with torchrun "
+            "(world = data_parallel x stages x tensor_parallel), or drop tensor_parallel"
+        )
     if shard is not None and not dist.is_initialized():
         raise ValueError(
             f"shard={shard!r} shards state over data-parallel replicas, which needs the "
@@ -75,5 +90,6 @@ def executor_for(
                 "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
             )
         return DistributedExecutor(stages, data_parallel, timeout=timeout, shard=shard,
-                                   agreement=agreement)
+                                   agreement=agreement, tensor_parallel=tensor_parallel,
+                                   tp_plan=tp_plan)
     return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)

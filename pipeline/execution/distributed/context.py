@@ -1,5 +1,5 @@
 """`DistContext`: one process's view of the job: the default process group (initialised from
-the torchrun environment if needed), the (dp, pp) DeviceMesh and its groups, this process's
+the torchrun environment if needed), the (dp, pp, tp) DeviceMesh and its groups, this process's
 `Layout`, its device, the timeout, the failure protocol and the setup `agreement`. Also
 `agree`, a one-off "global rank 0 decides" broadcast for collective work after setup
 (checkpoints)."""
@@ -71,6 +71,7 @@ class DistContext:
         timeout: float | None = None,
         device: torch.device | str | None = None,
         agreement: Agreement | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         self.timeout = resolve_timeout(timeout)
         # The Pipeline's agreement, made already when it chose its layout (stages="auto").
@@ -78,7 +79,8 @@ class DistContext:
         store = self.agreement.store
         with self.agreement.phase("construction of Pipeline(...)"):
             self.layout = make_layout(
-                stages, data_parallel, world_size=dist.get_world_size(), rank=dist.get_rank()
+                stages, data_parallel, world_size=dist.get_world_size(), rank=dist.get_rank(),
+                tensor_parallel=tensor_parallel,
             )
         self.agreement.describe = self.layout.describe
         self.device = torch.device(device) if device is not None else process_device()
@@ -88,11 +90,17 @@ class DistContext:
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The (dp, pp) DeviceMesh with its process groups (the same grid as `layout`)."""
+        """The (dp, pp, tp) DeviceMesh with its process groups (the same cube as `layout`)."""
+        layout = self.layout
         return init_device_mesh(
-            self.device.type, (self.layout.data_parallel, self.layout.stages),
+            self.device.type, (layout.data_parallel, layout.stages, layout.tensor_parallel),
             mesh_dim_names=DIMS,
         )
+
+    @cached_property
+    def tp_mesh(self) -> DeviceMesh:
+        """This process's tensor-parallel group as a 1-d mesh (the held stages' DTensors)."""
+        return self.mesh["tp"]
 
     @cached_property  # DeviceMesh.get_group costs ~0.1 ms a call; the mesh never changes
     def dp_group(self) -> dist.ProcessGroup:

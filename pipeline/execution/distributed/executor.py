@@ -36,7 +36,7 @@ copied to the other replicas.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -44,9 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import Captured, StageModule
+from partitioner.tp_plan import TPPlan
 from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_and_adopt
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
@@ -67,7 +69,13 @@ from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
+from pipeline.execution.tensor_parallel import parallelize
 from pipeline.planning.decision import Coordination, Decision
+
+
+def _whole(t: Tensor) -> bool:
+    """Whether every process of its group holds all of `t` (a plain or Replicate tensor)."""
+    return not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)
 
 
 class DistributedExecutor(Executor):
@@ -92,9 +100,14 @@ class DistributedExecutor(Executor):
         prefetch: int = 2,
         shard: str | None = None,
         agreement: Agreement | None = None,
+        tensor_parallel: int = 1,
+        tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        ctx = DistContext(stages, data_parallel, timeout=timeout, agreement=agreement)
+        ctx = DistContext(stages, data_parallel, timeout=timeout, agreement=agreement,
+                          tensor_parallel=tensor_parallel)
+        self.tp_rules = tp_plan
+        self.tp_plan: TPPlan | None = None  # what the tensor-parallel pass applied
         self.context: DistContext = ctx
         self.sharding = Sharding(shard, ctx)
         self.shard = self.sharding.shard
@@ -108,7 +121,8 @@ class DistributedExecutor(Executor):
         self.bucket_bytes = bucket_bytes
         self._tags_match = dist.get_backend() == "gloo"
         self.ending = StepEnd(
-            ctx, gathers_trace=gather_trace and self.layout.dp_rank == 0 and stages > 1
+            ctx, gathers_trace=gather_trace and self.layout.dp_rank == 0
+            and self.layout.tp_rank == 0 and stages > 1,
         )
         self._mine: dict[int, StageModule] = {}
         self.ties: TieSync | None = None
@@ -156,6 +170,10 @@ class DistributedExecutor(Executor):
                 f"stages={self.layout.stages}; build the schedule for {self.layout.stages} ranks"
             )
         self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
+        if self.layout.tensor_parallel > 1:
+            with self.context.agreement.phase("the tensor-parallel pass"):
+                self.tp_plan = parallelize(planned, self._mine, self.context.tp_mesh,
+                                           self.layout.tensor_parallel, self.tp_rules)
         ties = find_ties(planned.model, planned.modules, schedule.placement)
         self.ties = TieSync(self.context, planned.model, ties)
         kept = {id(t) for m in self._mine.values() for t in (*m.parameters(), *m.buffers())}
@@ -279,6 +297,13 @@ class DistributedExecutor(Executor):
     def held(self) -> dict[int, StageModule]:
         return dict(self._mine)
 
+    @property
+    def _counts_loss(self) -> bool:
+        """Whether this last-stage process adds its loss to the step's sum: with replicas the
+        loss is a sum over every process, so one rank of each tp group adds it (each holds a
+        copy); without, each pipeline's own last rank hands it on."""
+        return self.layout.data_parallel == 1 or self.layout.tp_rank == 0
+
     def accumulates_in_place(self) -> set[int]:
         """As `Executor`'s, less the parameters tied across pipeline ranks (their gradients
         are summed over the copies after the step, which must see only the step's own); none
@@ -339,15 +364,21 @@ class DistributedExecutor(Executor):
         each process's shards, combined over every process)."""
         params = [p for _, p in self.named_parameters(model)]
         copies = self.ties.copies() if self.ties is not None else set()
-        share = get_total_norm([local(p.grad) for p in params if p.grad is not None
-                                and id(p) not in copies], norm_type)
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in copies]
+        tp = self.layout.tensor_parallel
+        if tp > 1 and self.layout.tp_rank != 0:  # a replicated one counted on tp rank 0
+            grads = [g for g in grads if not _whole(g)]
+        share = get_total_norm([local(g) for g in grads], norm_type)
         share = share.to(self.context.device, torch.float64)
         inf = norm_type == float("inf")
         if not inf:
             share = share.pow(norm_type)
+            if tp > 1:  # summed over every process: each replica adds its equal share
+                share /= self.layout.data_parallel
         with self.context.guard("gradient norm"):
             work = dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                                   group=self.sharding.norm_group, async_op=True)
+                                   group=self.sharding.norm_group if tp == 1 else None,
+                                   async_op=True)
             self.context.wait_work(work, None, "the gradient norm")
         total = share if inf else share.pow(1.0 / norm_type)
         if error_if_nonfinite and not bool(total.isfinite()):
@@ -370,7 +401,7 @@ class DistributedExecutor(Executor):
         """The last stage's loss on every process, the mean over replicas: a sum over every
         process, the others adding 0."""
         total = torch.zeros((), dtype=torch.float64, device=self.context.device)
-        if loss is not None:
+        if loss is not None and self.layout.tp_rank == 0:  # one tp rank's copy in the sum
             total += loss.to(self.context.device, torch.float64)
         with self.context.guard("sharing of the evaluation loss"):
             work = dist.all_reduce(total, async_op=True)
@@ -400,7 +431,7 @@ class DistributedExecutor(Executor):
                     self.sharding.gather(self.runtime.rebind)
                     with self.runtime.step_leaves():
                         result = self.runtime.run_step(inputs, targets, loss_weights)
-                    if last:
+                    if last and self._counts_loss:
                         losses = [v.to(torch.float64) for v in result.losses.values()]
                         total += torch.stack(losses).sum()
                     if not early:

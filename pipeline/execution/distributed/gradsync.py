@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.dtensors import local
 from scheduler import Op, Schedule
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket cap (as DDP's 25 MB)
@@ -83,7 +84,10 @@ class GradSync:
         if self.size == 1:
             return
         for params in self.buckets.get(stage, []):
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            # A tensor-parallel parameter's gradient is averaged shard by shard (this
+            # process's part; its replicas hold the same part).
+            grads = [torch.zeros_like(local(p)) if p.grad is None else local(p.grad)
+                     for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if self.reduce_dtype is not None and flat.is_floating_point():
                 flat = flat.to(self.reduce_dtype)
@@ -97,12 +101,16 @@ class GradSync:
                 flat = flat.to(params[0].dtype).div_(self.size)
                 offset = 0
                 for p in params:
-                    n = p.numel()
-                    value = flat[offset : offset + n].view_as(p)
+                    part = local(p)
+                    n = part.numel()
+                    value = flat[offset : offset + n].view_as(part)
                     if p.grad is None:
-                        p.grad = value.clone()
+                        p.grad = DTensor.from_local(
+                            value.clone(), p.device_mesh, p.placements, run_check=False,
+                            shape=p.shape, stride=p.stride(),
+                        ) if isinstance(p, DTensor) else value.clone()
                     else:
-                        p.grad.copy_(value)
+                        local(p.grad).copy_(value)
                     offset += n
         finally:
             self._pending.clear()
@@ -133,9 +141,14 @@ def sync_replicas(ctx: DistContext, modules: Sequence[nn.Module]) -> None:
     shard) are skipped."""
     if ctx.layout.data_parallel == 1:
         return
-    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())
-               if not t.is_meta and not isinstance(t, DTensor)]
+    tensors = [local(t) for m in modules for t in (*m.parameters(), *m.buffers())
+               if not t.is_meta and (not isinstance(t, DTensor) or _tensor_parallel(t))]
     _from_replica_0(ctx, tensors, "replica 0's weights")
+
+
+def _tensor_parallel(t: DTensor) -> bool:
+    """Whether `t` is a tensor-parallel DTensor (its replicas hold the same part of it)."""
+    return t.device_mesh.mesh_dim_names == ("tp",)
 
 
 class BufferSync:

@@ -59,11 +59,12 @@ class TieSync:
         self.names: list[str] = []
         for tie in ties:
             for replica in range(layout.data_parallel):
-                members = [layout.global_rank(pp, replica) for pp in tie.pp_ranks]
-                group = dist.new_group(members, timeout=ctx.wait)
-                if layout.rank in members:
-                    self.mine.append((params[tie.name], group, members[0]))
-                    self.names.append(tie.name)
+                for tp in range(layout.tensor_parallel):  # each tp rank's part on its own
+                    members = [layout.cube[replica][pp][tp] for pp in tie.pp_ranks]
+                    group = dist.new_group(members, timeout=ctx.wait)
+                    if layout.rank in members:
+                        self.mine.append((params[tie.name], group, members[0]))
+                        self.names.append(tie.name)
 
     def rebind(self, model: nn.Module) -> None:
         """Take the model's current Parameter objects (a meta model's were replaced when its

@@ -1,8 +1,10 @@
-"""Where each process sits: world = data_parallel x stages as a DeviceMesh with dims
-("dp", "pp"). A process's pipeline rank (which stages it holds) is its "pp" coordinate, its
-replica its "dp" coordinate; the global ranks of a pipeline are a row of the mesh and the
-replicas of one pipeline rank (a gradient group) a column. Nothing here computes ranks by
-hand: every answer is read off the mesh."""
+"""Where each process sits: world = data_parallel x stages x tensor_parallel as a DeviceMesh
+with dims ("dp", "pp", "tp"), tp innermost (consecutive ranks: a tp group sits within one
+node). A process's pipeline rank (which stages it holds) is its "pp" coordinate, its replica
+its "dp" coordinate, its part of each held stage's width its "tp" coordinate. Pipeline peers
+and gradient groups are taken at the process's own tp coordinate: a pipeline is the ranks of
+one (dp, tp) pair, a gradient group the ranks of one (pp, tp) pair. Nothing here computes
+ranks by hand: every answer is read off the mesh."""
 
 from __future__ import annotations
 
@@ -11,44 +13,54 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("dp", "pp")
+DIMS = ("dp", "pp", "tp")
 
 
-def check_world(stages: int, data_parallel: int | None, world_size: int) -> int:
-    """`data_parallel` for `stages` in a world of `world_size` processes (default
-    world // stages); ValueError naming the fix when they do not fit."""
+def check_world(stages: int, data_parallel: int | None, world_size: int,
+                tensor_parallel: int = 1) -> int:
+    """`data_parallel` for `stages` x `tensor_parallel` processes per replica in a world of
+    `world_size` processes (default world // (stages x tp)); ValueError naming the fix when
+    they do not fit."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    tp = tensor_parallel
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1, got {tp!r}")
+    per_replica = stages * tp
+    what = f"stages={stages}" if tp == 1 else f"stages={stages} x tensor_parallel={tp}"
     if data_parallel is None:
-        if world_size % stages != 0:
+        if world_size % per_replica != 0:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(
-                f"world size {world_size} is not divisible by stages={stages}: every replica "
-                f"needs {stages} processes; use stages in {divisors} or launch a multiple of "
-                f"{stages} processes (torchrun --nproc-per-node)"
+                f"world size {world_size} is not divisible by {what}: every replica "
+                f"needs {per_replica} processes; use stages x tensor_parallel in {divisors} or "
+                f"launch a multiple of {per_replica} processes (torchrun --nproc-per-node)"
             )
-        data_parallel = world_size // stages
+        data_parallel = world_size // per_replica
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
-    if stages * data_parallel != world_size:
+    if per_replica * data_parallel != world_size:
         raise ValueError(
-            f"stages={stages} x data_parallel={data_parallel} = {stages * data_parallel} "
-            f"processes, but the world has {world_size}; launch {stages * data_parallel} "
-            "processes, or drop data_parallel (it defaults to world size // stages)"
+            f"{what} x data_parallel={data_parallel} = {per_replica * data_parallel} "
+            f"processes, but the world has {world_size}; launch {per_replica * data_parallel} "
+            "processes, or drop data_parallel (it defaults to world size // "
+            f"{'stages' if tp == 1 else '(stages x tensor_parallel)'})"
         )
     return data_parallel
 
 
 @dataclass(frozen=True)
 class Layout:
-    """This process's place in a (dp, pp) DeviceMesh: `grid[d][p]` is the global rank of
-    pipeline rank p in replica d (`mesh.mesh`), `(dp_rank, pp_rank)` this process's
-    coordinate (`mesh.get_coordinate()`)."""
+    """This process's place in a (dp, pp, tp) DeviceMesh: `cube[d][p][t]` is the global rank
+    of tp rank t of pipeline rank p in replica d (`mesh.mesh`), `(dp_rank, pp_rank,
+    tp_rank)` this process's coordinate (`mesh.get_coordinate()`); `grid[d][p]` the global
+    ranks at this process's tp coordinate (its pipelines and gradient groups)."""
 
-    grid: tuple[tuple[int, ...], ...]
+    cube: tuple[tuple[tuple[int, ...], ...], ...]
     rank: int
     dp_rank: int
     pp_rank: int
+    tp_rank: int = 0
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> Layout:
@@ -56,10 +68,26 @@ class Layout:
             raise ValueError(f"the mesh has dims {mesh.mesh_dim_names}; expected {DIMS}")
         coordinate = mesh.get_coordinate()
         if coordinate is None:
-            raise ValueError("this process is not part of the (dp, pp) mesh")
-        grid = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
-        dp_rank, pp_rank = coordinate
-        return cls(grid, grid[dp_rank][pp_rank], dp_rank, pp_rank)
+            raise ValueError("this process is not part of the (dp, pp, tp) mesh")
+        cube = tuple(tuple(tuple(int(r) for r in row) for row in plane)
+                     for plane in mesh.mesh.tolist())
+        dp_rank, pp_rank, tp_rank = coordinate
+        return cls(cube, cube[dp_rank][pp_rank][tp_rank], dp_rank, pp_rank, tp_rank)
+
+    @property
+    def grid(self) -> tuple[tuple[int, ...], ...]:
+        """`grid[d][p]`: the global rank of pipeline rank p in replica d at this process's tp
+        coordinate."""
+        return tuple(tuple(row[self.tp_rank] for row in plane) for plane in self.cube)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Ranks sharing each held stage's width (the mesh's "tp" size)."""
+        return len(self.cube[0][0])
+
+    def tp_ranks(self) -> list[int]:
+        """Global ranks of this process's tp group (its pipeline rank in its replica)."""
+        return list(self.cube[self.dp_rank][self.pp_rank])
 
     @property
     def stages(self) -> int:
@@ -73,7 +101,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.stages * self.data_parallel
+        return self.stages * self.data_parallel * self.tensor_parallel
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
         """The global rank of pipeline rank `pp_rank` in replica `dp_rank` (default: ours)."""
@@ -91,26 +119,34 @@ class Layout:
 
     def coordinate(self, rank: int) -> tuple[int, int]:
         """(replica, pipeline rank) of global rank `rank`."""
-        for d, row in enumerate(self.grid):
-            if rank in row:
-                return d, row.index(rank)
-        raise ValueError(f"rank {rank} is not in the mesh {self.grid}")
+        d, p, _ = self.coordinate3(rank)
+        return d, p
+
+    def coordinate3(self, rank: int) -> tuple[int, int, int]:
+        """(replica, pipeline rank, tp rank) of global rank `rank`."""
+        for d, plane in enumerate(self.cube):
+            for p, row in enumerate(plane):
+                if rank in row:
+                    return d, p, row.index(rank)
+        raise ValueError(f"rank {rank} is not in the mesh {self.cube}")
 
     def describe(self, rank: int | None = None) -> str:
-        """E.g. 'rank 5 (pipeline rank 1 of replica 1)'."""
+        """E.g. 'rank 5 (pipeline rank 1 of replica 1)', with the tp rank when tp > 1."""
         r = self.rank if rank is None else rank
-        d, p = self.coordinate(r)
-        return f"rank {r} (pipeline rank {p} of replica {d})"
+        d, p, t = self.coordinate3(r)
+        tp = f", tp rank {t}" if self.tensor_parallel > 1 else ""
+        return f"rank {r} (pipeline rank {p}{tp} of replica {d})"
 
 
 def make_layout(
-    stages: int, data_parallel: int | None = None, *, world_size: int, rank: int
+    stages: int, data_parallel: int | None = None, *, world_size: int, rank: int,
+    tensor_parallel: int = 1,
 ) -> Layout:
     """The Layout of `rank` in the mesh `init_device_mesh` would build for this world, without
     creating process groups (for planning and tests)."""
-    dp = check_world(stages, data_parallel, world_size)
+    dp = check_world(stages, data_parallel, world_size, tensor_parallel)
     mesh = DeviceMesh(
-        "cpu", torch.arange(world_size).reshape(dp, stages), mesh_dim_names=DIMS,
-        _init_backend=False, _rank=rank,
+        "cpu", torch.arange(world_size).reshape(dp, stages, tensor_parallel),
+        mesh_dim_names=DIMS, _init_backend=False, _rank=rank,
     )
     return Layout.of(mesh)

@@ -375,6 +375,32 @@ def test_layout_and_divisibility() -> None:
         make_layout(2, 3, world_size=4, rank=0)
 
 
+def test_layout_with_tensor_parallel() -> None:
+    """(dp, pp, tp) with tp innermost: a tp group is consecutive ranks; pipeline peers and
+    gradient groups sit at the process's own tp coordinate."""
+    from pipeline.execution.distributed import make_layout
+
+    layout = make_layout(2, world_size=8, rank=5, tensor_parallel=2)  # dp=2 x pp=2 x tp=2
+    assert (layout.data_parallel, layout.dp_rank, layout.pp_rank, layout.tp_rank) == \
+        (2, 1, 0, 1)
+    assert layout.tp_ranks() == [4, 5]
+    assert layout.pipeline_ranks() == [5, 7]
+    assert layout.replica_ranks() == [1, 5]
+    assert layout.global_rank(1) == 7 and layout.world_size == 8
+    assert layout.describe(6) == "rank 6 (pipeline rank 1, tp rank 0 of replica 1)"
+    with pytest.raises(ValueError, match=r"not divisible by stages=2 x tensor_parallel=2"):
+        make_layout(2, world_size=6, rank=0, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel must be an int >= 1"):
+        make_layout(2, world_size=4, rank=0, tensor_parallel=0)
+
+
+def test_tensor_parallel_needs_torchrun() -> None:
+    from pipeline import Pipeline
+
+    with pytest.raises(ValueError, match=r"tensor_parallel=2 .* launch with torchrun"):
+        Pipeline(torch.nn.Linear(2, 2), stages=1, tensor_parallel=2)
+
+
 def test_message_packing_and_metadata_round_trip() -> None:
     from pipeline.execution.distributed.p2p import decode_meta, encode_meta, pack, unpack
 

@@ -1,0 +1,317 @@
+"""The tensor-parallel pass: a stage module's parameters become DTensors on the "tp" mesh dim
+with the placements of the plan (partitioner.tp_plan), and the stage graph runs unchanged on
+them: DTensor's sharding propagation turns its views with global shapes into per-rank views,
+and a row-parallel matmul's partial sums into one all-reduce where they meet the replicated
+residual (the Megatron-LM pattern). Two graph edits keep it fast and exact: export's
+``_assert_tensor_metadata`` checks are dropped (no sharding rule; the dtypes are as
+captured), and attention runs on each rank's own heads (`sharded_attention`), as DTensor's
+CPU attention rule decomposes the whole op on every call.
+
+A stage takes plain tensors and returns plain tensors: its floating-point inputs enter as
+Replicate DTensors (their gradient is all-reduced back to a whole one), integer inputs stay
+plain (token ids, masks: DTensor replicates them where they meet a sharded tensor), and its
+outputs are made whole (Replicate) before they leave, so the pipeline's transport and loss see
+what the unsplit model computes. Every tp rank of a stage sends its copy to the same tp rank of
+the next stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_map
+
+from partitioner.tp_plan import TPPlan, derive_tp_plan, given_tp_plan, matmul_of
+from pipeline.planning.decision import Decision
+
+aten = torch.ops.aten
+_DROPPED = {aten._assert_tensor_metadata.default}
+
+
+def _as_dtensor(t: Any, mesh: DeviceMesh) -> DTensor:
+    if isinstance(t, DTensor):
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+
+
+def _heads_local(t: Any, mesh: DeviceMesh, heads: int) -> Tensor:
+    """This rank's heads of an attention operand (dim 1 of a 4-d tensor): a broadcast head
+    dim (size 1) or a 3-d operand stays whole; grouped-query kv heads are repeated to the
+    query's first (as the unsplit attention's ``enable_gqa`` does)."""
+    d: Any = _as_dtensor(t, mesh)
+    if d.dim() != 4 or d.shape[1] == 1:
+        return d.redistribute(mesh, [Replicate()]).to_local()
+    if d.shape[1] != heads:
+        d = d.redistribute(mesh, [Replicate()]).repeat_interleave(heads // d.shape[1], dim=1)
+    return d.redistribute(mesh, [Shard(1)]).to_local()
+
+
+def sharded_attention(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+) -> Any:
+    """``aten.scaled_dot_product_attention`` on each rank's own heads when any operand is a
+    DTensor (attention is independent per head): the operands' heads are split over the tp
+    mesh dim (taken from where they are, a local slice where they are whole), attention runs on
+    the local heads, and the result is a DTensor sharded by heads. When no operand is split
+    by heads (the plan replicated the projections) or the tp degree does not divide the
+    heads, it runs whole on every rank."""
+    operands = (query, key, value, attn_mask)
+    tensors = [t for t in operands if isinstance(t, DTensor)]
+    if not tensors:
+        return aten.scaled_dot_product_attention.default(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+    mesh = tensors[0].device_mesh
+    heads = query.shape[1] if query.dim() == 4 else 0
+    by_heads = any(p == Shard(1) for t in tensors for p in t.placements)
+    if query.dim() != 4 or heads % mesh.size() or not by_heads:
+        whole = [None if t is None else _as_dtensor(t, mesh).redistribute(
+            mesh, [Replicate()]).to_local() for t in operands]
+        out = aten.scaled_dot_product_attention.default(
+            *whole[:3], whole[3], dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+    q, k, v = (_heads_local(t, mesh, heads) for t in (query, key, value))
+    mask = None if attn_mask is None else _heads_local(attn_mask, mesh, heads)
+    out = aten.scaled_dot_product_attention.default(
+        q, k, v, mask, dropout_p, is_causal, scale=scale)
+    return DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) over a process group; the gradient of each rank's part is the whole
+    gradient (it arrives whole: the caller makes it a Replicate DTensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: Any) -> Tensor:
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def whole_embedding(weight: Any, indices: Any, *args: Any) -> Any:
+    """``aten.embedding``; with a vocab-parallel weight (Shard(0)) each rank looks up the rows
+    it holds (zero elsewhere) and one all-reduce sums them (Megatron-LM's
+    VocabParallelEmbedding; DTensor's masked partial can be reduced only once, and this output
+    may have several readers)."""
+    if not isinstance(weight, DTensor) or weight.placements[0] != Shard(0):
+        return aten.embedding.default(weight, indices, *args)
+    mesh = weight.device_mesh
+    ids = indices.full_tensor() if isinstance(indices, DTensor) else indices
+    rows = weight.to_local()
+    start = mesh.get_local_rank() * rows.shape[0]
+    outside = (ids < start) | (ids >= start + rows.shape[0])
+    padding = args[0] if args else -1  # a padding row takes no gradient, on its own rank
+    padding = padding - start if start <= padding < start + rows.shape[0] else -1
+    local = aten.embedding.default(rows, (ids - start).masked_fill(outside, 0), padding,
+                                   *args[1:])
+    local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+    total = _SumOverRanks.apply(local, mesh.get_group())
+    return DTensor.from_local(total, mesh, [Replicate()], run_check=False)
+
+
+def whole_grad(t: Any) -> Any:
+    """`t` unchanged in the forward; its gradient made whole (Replicate: one all-reduce of a
+    partial one) in the backward. Before a column-parallel matmul, as Megatron-LM's "f"
+    operator: the matmul's input gradient is a partial sum, reduced here once instead of in
+    every weight gradient upstream."""
+    if not isinstance(t, DTensor) or t.placements != (Replicate(),):
+        return t
+    local = t.to_local(grad_placements=[Replicate()])
+    return DTensor.from_local(local, t.device_mesh, [Replicate()], run_check=False)
+
+
+def summed(t: Any) -> Any:
+    """A row-parallel matmul's output (a Partial DTensor) summed over the tp ranks: a Replicate
+    DTensor whose gradient is taken whole (no reduction in the backward)."""
+    if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
+        return t
+    mesh = t.device_mesh
+    local = t.to_local(grad_placements=[Replicate()])
+    total = _SumOverRanks.apply(local, mesh.get_group())
+    return DTensor.from_local(total, mesh, [Replicate()], run_check=False)
+
+
+def replicated_like(t: Any, like: DTensor) -> Any:
+    """A plain tensor met by a DTensor op, as a Replicate DTensor on `like`'s mesh (a local
+    view, no communication; its gradient comes back whole)."""
+    if isinstance(t, Tensor) and not isinstance(t, DTensor):
+        return DTensor.from_local(t, like.device_mesh, [Replicate()] * like.device_mesh.ndim,
+                                  run_check=False)
+    return t
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), Tensor)
+
+
+def float_inputs(module: fx.GraphModule) -> list[bool]:
+    """Per placeholder, whether it is a floating-point tensor (it enters as a DTensor)."""
+    return [
+        _is_tensor(n) and n.meta["val"].is_floating_point()
+        for n in module.graph.nodes if n.op == "placeholder"
+    ]
+
+
+def _replicate_plain_operands(module: fx.GraphModule) -> None:
+    """Make every plain tensor an op mixes with DTensors a Replicate DTensor in the graph
+    (buffers, constants, tensors made inside: rotary tables, masks), so the forward and the
+    backward (which runs outside any context) see DTensors only."""
+    graph = module.graph
+    dtensors: set[fx.Node] = set()
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            if _is_tensor(node) and node.meta["val"].is_floating_point():
+                dtensors.add(node)
+        elif node.op == "get_attr":
+            if isinstance(_attribute(module, str(node.target)), DTensor):
+                dtensors.add(node)
+        elif node.op == "call_function" and node.target is not replicated_like:
+            inputs = node.all_input_nodes
+            sharded = [i for i in inputs if i in dtensors]
+            if not sharded:
+                continue
+            dtensors.add(node)
+            for plain in inputs:
+                if plain not in dtensors and _is_tensor(plain):
+                    with graph.inserting_before(node):
+                        made = graph.call_function(replicated_like, (plain, sharded[0]))
+                    made.meta = dict(plain.meta)
+                    node.replace_input_with(plain, made)
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    owner: Any = module
+    for part in target.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
+def _column_inputs(module: fx.GraphModule, plan: TPPlan) -> None:
+    """Wrap the activation input of every column-parallel matmul in `whole_grad` and the
+    output of every row-parallel one in `summed`: Megatron-LM's f and g, so the gradients
+    between blocks are whole and each weight's gradient has its weight's placement."""
+    graph = module.graph
+    params = {n: p for n, p in module.named_parameters(remove_duplicate=False)}
+    for node in list(graph.nodes):
+        found = matmul_of(node, params)
+        if found is None:
+            continue
+        if plan.style(found.weight) == "rowwise":
+            with graph.inserting_after(node):
+                out = graph.call_function(summed, (node,))
+            out.meta = dict(node.meta)
+            for user in [u for u in node.users if u is not out]:
+                user.replace_input_with(node, out)
+            continue
+        if plan.style(found.weight) != "colwise":
+            continue
+        with graph.inserting_before(node):
+            made = graph.call_function(whole_grad, (found.activation,))
+        made.meta = dict(found.activation.meta)
+        node.replace_input_with(found.activation, made)
+
+
+def _edit_graph(module: fx.GraphModule, plan: TPPlan) -> None:
+    """Drop export's dtype checks, sum a vocab-parallel embedding's rows at once, run
+    attention per rank's heads and reduce column-parallel input gradients once."""
+    graph = module.graph
+    _column_inputs(module, plan)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _DROPPED and not node.users:
+            graph.erase_node(node)
+        elif node.target is aten.scaled_dot_product_attention.default:
+            node.target = sharded_attention
+        elif node.target is aten.embedding.default:
+            node.target = whole_embedding
+    _replicate_plain_operands(module)
+    graph.lint()
+    module.recompile()
+
+
+def shard_parameters(
+    holders: list[nn.Module], plan: TPPlan, mesh: DeviceMesh, names: Mapping[int, str],
+    only: set[int] | None = None,
+) -> dict[int, nn.Parameter]:
+    """Replace each parameter the `holders` hold by a DTensor Parameter with the plan's
+    placement (every process holds the whole tensor, so its shard is cut locally), in every
+    holder and slot that holds it (tied ones stay one object). `names`: id -> the name the
+    plan knows it by; `only`: the ids to shard (default all). Returns id(old) -> new."""
+    made: dict[int, nn.Parameter] = {}
+    for holder in holders:
+        for owner in holder.modules():
+            for field, p in list(owner._parameters.items()):
+                if p is None or isinstance(p, DTensor) or (only is not None and id(p) not in only):
+                    continue
+                new = made.get(id(p))
+                if new is None:
+                    dim = plan.dim(names.get(id(p), ""))
+                    placement = [Replicate()] if dim is None or p.is_meta else [Shard(dim)]
+                    value = distribute_tensor(p.detach(), mesh, placement, src_data_rank=None)
+                    new = made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+                owner._parameters[field] = new
+    return made
+
+
+class TensorParallelStage:
+    """Runs a stage module (a graph of aten ops over DTensor parameters) on plain tensors: see
+    the module docstring. `forward` is installed on the module itself, so everything that
+    calls the module (precision, the runtime) calls it unchanged."""
+
+    def __init__(self, module: fx.GraphModule, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.inner: Callable[..., Any] = type(module).forward.__get__(module)
+        self.floats = float_inputs(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mesh = self.mesh
+        inputs = [_as_dtensor(a, mesh) if f and isinstance(a, Tensor) else a
+                  for a, f in zip(args, self.floats, strict=False)]
+        with implicit_replication():
+            out = self.inner(*inputs, **kwargs)
+        return tree_map(self._whole, out)
+
+    def _whole(self, t: Any) -> Any:
+        if isinstance(t, DTensor):
+            return t.redistribute(self.mesh, [Replicate()]).to_local()
+        return t
+
+
+def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh) -> None:
+    """The tensor-parallel pass on one held stage, in place: its graph edited, its forward
+    run on the tp `mesh` (a 1-d DeviceMesh). The parameters are sharded by
+    `shard_parameters` (once for the model, as stages share tied weights)."""
+    _edit_graph(module, plan)
+    module.forward = TensorParallelStage(module, mesh)
+
+
+def parallelize(
+    planned: Decision, held: Mapping[int, fx.GraphModule], mesh: DeviceMesh, degree: int,
+    rules: Mapping[str, Any] | None = None,
+) -> TPPlan:
+    """The tensor-parallel pass for the stages this process holds (`held`): the plan of the
+    captured graph (derived, or from `rules`: a ``tp_plan``), the held parameters sharded in
+    every module that holds them (the model, the capture's modules, every stage module), and
+    each held stage run on the tp `mesh`. Returns the plan."""
+    gm = planned.captured.graph_module
+    plan = derive_tp_plan(gm, degree) if rules is None else given_tp_plan(gm, degree, rules)
+    names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=False)
+             if n in plan.params}
+    mine = {id(p) for m in held.values() for p in m.parameters()}
+    holders = [planned.model, gm, planned.captured.unit_module, *planned.modules]
+    shard_parameters(holders, plan, mesh, names, only=mine)
+    for module in held.values():
+        tensor_parallel(module, plan, mesh)
+    return plan

@@ -1,0 +1,172 @@
+"""Tensor parallelism inside every pipeline stage, under the distributed executor (4 gloo
+processes launched as torchrun does): Hugging Face GPT-2 (tied embedding / LM head, fused qkv)
+and a Llama (grouped-query attention, 4 heads and 2 kv heads, sharded by heads) at
+pp=2 x tp=2 under 1F1B and ZB-H1, and at pp=1 x tp=2 x dp=2: two SGD steps give the unsplit
+model's loss, every gradient (`full_tensor()` of each sharded one) and the whole model's
+gradient norm from `clip_grad_norm_`, in float64 to 1e-9. The collectives of one forward of a
+tp=2 stage are counted with CommDebugMode: one all-reduce per row-parallel matmul (2 per
+transformer block) plus the vocab-parallel embedding's, one all-gather (the LM head's logits),
+no weight gathered.
+
+One launch runs every case. This file is also the worker: ``python <this file> tp OUT_DIR``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.distributed import HF_MODULES, all_ok, launch
+
+ATOL = 1e-9
+ROWS = 4  # per replica
+SEQ = 6
+VOCAB = 48
+CLIP = 0.05
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _build(name: str) -> torch.nn.Module:
+    from tests.support.real_models import gpt2
+
+    torch.manual_seed(0)
+    return (gpt2() if name == "gpt2" else _llama()).double()
+
+
+def _batch(step: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + step)
+    return ({"input_ids": torch.randint(0, VOCAB, (rows, SEQ), generator=g)},
+            torch.randint(0, VOCAB, (rows, SEQ), generator=g))
+
+
+def _whole(t: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check(name: str, pp: int, schedule: str) -> Any:
+    """Two clipped SGD steps of a tp=2 Pipeline against the unsplit model."""
+    from pipeline import Pipeline
+    from tests.support.models import lm_loss
+
+    ref, model = _build(name), _build(name)
+    dp = 4 // (2 * pp)
+    # The plan made at construction: the optimizer takes the sharded parameters.
+    pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=2 * pp, loss_fn=lm_loss,
+                    balance="parameters", tensor_parallel=2,
+                    example_input=_batch(0, ROWS)[0])
+    ctx = pipe.distributed
+    assert ctx is not None and ctx.layout.tensor_parallel == 2
+    assert ctx.layout.data_parallel == dp
+    d = ctx.layout.dp_rank
+    label = f"{name} pp={pp} dp={dp} tp=2 {schedule}"
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    for step in range(2):
+        x, y = _batch(step, ROWS * dp)
+        ref.zero_grad()
+        expected = sum(lm_loss(ref(input_ids=xm), ym) * len(xm) / len(y) for xm, ym in zip(
+            x["input_ids"].tensor_split(2 * pp), y.tensor_split(2 * pp), strict=True))
+        expected.backward()
+        pipe.zero_grad()
+        mine = {"input_ids": x["input_ids"][d * ROWS:(d + 1) * ROWS]}
+        loss = pipe.step(mine, y[d * ROWS:(d + 1) * ROWS])
+        torch.testing.assert_close(loss.double(), expected.detach(), atol=ATOL, rtol=0,
+                                   msg=f"{label}: loss of step {step}")
+        held = list(pipe.named_parameters())
+        assert held, label
+        for k, p in held:
+            assert p.grad is not None, f"{label}: {k} has no grad"
+            torch.testing.assert_close(_whole(p.grad), want[k].grad, atol=ATOL, rtol=0,
+                                       msg=f"{label}: grad of {k}, step {step}")
+        torch.testing.assert_close(
+            pipe.clip_grad_norm_(CLIP).double(),
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).double(),
+            atol=ATOL, rtol=0, msg=f"{label}: gradient norm, step {step}")
+        opt.step()
+        ref_opt.step()
+    for k, p in pipe.named_parameters():  # the steps moved every shard as the unsplit model
+        torch.testing.assert_close(_whole(p.detach()), want[k].detach(), atol=ATOL, rtol=0,
+                                   msg=f"{label}: {k} after two steps")
+    return pipe
+
+
+def _count_collectives(pipe: Any, layers: int, label: str) -> None:
+    """One forward of the held (whole-model) stage under CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    stage = pipe._executor.held()[0]
+    x, _ = _batch(0, ROWS)
+    with CommDebugMode() as comm:
+        stage(x["input_ids"])
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    reduces = counts.get("allreduce_", 0) + counts.get("all_reduce", 0)
+    assert reduces == 1 + 2 * layers, f"{label}: {counts}"  # embedding + 2 per block
+    assert counts.get("all_gather_into_tensor", 0) == 1, f"{label}: {counts}"  # the logits
+    assert set(counts) <= {"allreduce_", "all_reduce", "all_gather_into_tensor"}, counts
+    print(f"{label}: collectives of one forward {counts}", flush=True)
+
+
+def worker_tp(out: Path) -> None:
+    import torch.distributed as dist
+
+    from pipeline.planning import planner
+    from tests.support.capture_memo import memo_capture
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    planner.capture = memo_capture()  # type: ignore[assignment]
+    for name in ("llama", "gpt2"):
+        for schedule in ("1f1b", "zb-h1"):
+            _check(name, 2, schedule)
+    print("worker pp2: every check ran", flush=True)
+    for name, layers in (("llama", 2), ("gpt2", 3)):
+        pipe = _check(name, 1, "1f1b")
+        plan = pipe.tp_plan
+        assert plan is not None and plan.sharded, plan
+        if name == "llama":  # attention sharded by heads, kv heads too (2 of them, tp=2)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                assert plan.style(f"model.layers.0.self_attn.{proj}.weight") == "colwise", plan
+            assert plan.style("model.layers.0.self_attn.o_proj.weight") == "rowwise", plan
+            _count_collectives(pipe, layers, name)
+    dist.destroy_process_group()
+    print("worker tp: every check ran", flush=True)
+
+
+WORKERS = {"tp": worker_tp}
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    return launch("tp", 4, tmp_path_factory.mktemp("tp"), deadline=290.0, script=__file__,
+                  preload=HF_MODULES)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_equals_unsplit(tp_run: list[Any]) -> None:
+    assert all("worker pp2: every check ran" in e.output for e in tp_run), \
+        "\n".join(e.output[-3000:] for e in tp_run)
+
+
+@pytest.mark.slow
+def test_tp2_with_replicas_and_collectives(tp_run: list[Any]) -> None:
+    all_ok(tp_run, "tp")
+
+
+if __name__ == "__main__":
+    WORKERS[sys.argv[1]](Path(sys.argv[2]))
