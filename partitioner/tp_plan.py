@@ -15,8 +15,9 @@ model):
   dim) needs heads % tp == 0. Grouped-query k / v projections whose kv heads tp does not
   divide stay replicated (the query groups stay whole on each rank), the query and output
   projections are still split; a query head count tp does not divide replicates the group.
-  A projection split into chunks (a fused qkv) replicates its group: splitting it per head
-  needs a strided layout that is not built.
+  A fused projection whose features are split into equal chunks (q, k, v) is split per
+  chunk: each rank holds its heads of every chunk (a strided layout); uneven chunks
+  replicate the group.
 - A token embedding (its indices come from an input) is vocab-parallel when tp divides the
   vocabulary; a projection that reaches the model's output with no row-parallel partner (an
   LM head) is column-parallel and its output gathered.
@@ -69,13 +70,16 @@ _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
 @dataclass(frozen=True)
 class Placement:
     """One parameter's place in the plan: `dim` split over the tp ranks (None: replicated),
-    the `style` that chose it, `why` in words, and `bytes` it holds whole."""
+    the `style` that chose it, `why` in words, and `bytes` it holds whole. `chunks` > 1: the
+    dim holds that many equal chunks (a fused q/k/v), each split over the ranks, so a rank
+    holds its heads of every chunk (DTensor's ``_StridedShard(dim, split_factor=chunks)``)."""
 
     name: str
     dim: int | None
     style: Style
     why: str
     bytes: int
+    chunks: int = 1  # >1: a fused projection, each of its equal chunks split (strided)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,11 @@ class TPPlan:
         """The style that placed parameter `name` ("replicate" when unknown)."""
         found = self.params.get(name)
         return "replicate" if found is None else found.style
+
+    def chunks(self, name: str) -> int:
+        """The fused chunks of parameter `name`'s split dim (1: not fused)."""
+        found = self.params.get(name)
+        return 1 if found is None else found.chunks
 
     def dim(self, name: str) -> int | None:
         """The dim of parameter `name` split over the ranks (None: replicated or unknown)."""
@@ -120,6 +129,8 @@ class TPPlan:
         lines = [f"tensor parallel {self.degree} ({self.source}):"]
         for p in chosen:
             where = f"dim {p.dim}" if p.dim is not None else "whole"
+            if p.chunks > 1:
+                where += f", each of {p.chunks} fused chunks"
             lines.append(f"  {p.name}: {p.style} ({where}) - {p.why}")
         kept = [p for p in chosen if p.dim is None]
         total = sum(p.bytes for p in chosen)
@@ -224,7 +235,8 @@ class _Reach:
     heads: list[int] = field(default_factory=list)  # head counts of the views met
     stop: str | None = None  # why the path is not transparent
     output: bool = False  # reaches the graph's output
-    fused: bool = False
+    chunks: int | None = None  # a split of the features into equal chunks (fused qkv)
+    fused: str | None = None  # why a fused split cannot be split per head
 
 
 def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
@@ -253,7 +265,7 @@ def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
                 break
             target = user.target
             if target in _SPLITS:
-                reach.fused = True
+                _chunks(node, user, width, reach)
             elif target is aten.view.default or target is aten.reshape.default or \
                     target is aten._unsafe_view.default:
                 _heads(node, user, width, reach)
@@ -265,14 +277,31 @@ def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
     return reach
 
 
+def _chunks(source: fx.Node, split: fx.Node, width: int | None, reach: _Reach) -> None:
+    """A split of the projection's features into equal chunks (a fused q/k/v): note how
+    many, or why it cannot be split per head (uneven chunks, another dim)."""
+    shape = _shape(source)
+    size = split.args[1] if len(split.args) > 1 else None
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if (split.target is aten.split.Tensor and shape and width and isinstance(size, int)
+            and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
+            and shape[-1] == width and width % size == 0):
+        reach.chunks = width // size
+    else:
+        reach.fused = f"its features are split by {split.name} other than into equal chunks"
+
+
 def _heads(source: fx.Node, view: fx.Node, width: int | None, reach: _Reach) -> None:
-    """A view that splits the projection's `width` features into (heads, head dim): note the
-    head count."""
+    """A view that splits the projection's `width` features (or one of its fused chunks)
+    into (heads, head dim): note the head count."""
     before, after = _shape(source), _shape(view)
-    if not before or not after or width is None or before[-1] != width or len(after) < 2:
+    if not before or not after or width is None or len(after) < 2:
+        return
+    chunk = width // reach.chunks if reach.chunks else width
+    if before[-1] not in (width, chunk):
         return
     heads, head_dim = after[-2], after[-1]
-    if heads > 0 and heads * head_dim == width:
+    if heads > 0 and heads * head_dim == before[-1]:
         reach.heads.append(heads)
 
 
@@ -296,10 +325,10 @@ class _Builder:
         self.conflicts: set[str] = set()
         self.notes: list[str] = []
 
-    def set(self, name: str, dim: int | None, style: Style, why: str) -> None:
+    def set(self, name: str, dim: int | None, style: Style, why: str, chunks: int = 1) -> None:
         name = self.canonical[name]
         tensor = self.params[name]
-        if dim is not None and tensor.shape[dim] % self.degree:
+        if dim is not None and tensor.shape[dim] % (self.degree * chunks):
             why = f"{why}, but dim size {tensor.shape[dim]} is not divisible by {self.degree}"
             dim, style = None, "replicate"
         old = self.chosen.get(name)
@@ -307,7 +336,8 @@ class _Builder:
             self.conflicts.add(name)
             return
         if old is None:
-            self.chosen[name] = Placement(name, dim, style, why, _nbytes(tensor))
+            self.chosen[name] = Placement(name, dim, style, why, _nbytes(tensor),
+                                          chunks if dim is not None else 1)
 
     def finish(self, source: str) -> TPPlan:
         for name in self.conflicts:
@@ -363,11 +393,10 @@ def _group(build: _Builder, matmuls: Mapping[fx.Node, Matmul],
     done.update(rows)
     degree = build.degree
     names = ", ".join(sorted({matmuls[c].weight for c in cols}))
-    if any(reaches[c].fused for c in cols):
+    fused = [reaches[c].fused for c in cols if reaches[c].fused]
+    if fused:
         for node in (*cols, *rows):
-            build.set(matmuls[node].weight, None, "replicate",
-                      "fused projection split into chunks (a per-head strided split is not "
-                      "built)")
+            build.set(matmuls[node].weight, None, "replicate", f"fused projection: {fused[0]}")
         build.notes.append(f"replicated a fused projection group ({names})")
         return
     heads = {c: reaches[c].heads for c in cols}
@@ -391,9 +420,12 @@ def _group(build: _Builder, matmuls: Mapping[fx.Node, Matmul],
                 build.set(mm.bias, None, "replicate", why)
             continue
         what = "attention heads" if heads[c] else "pair's first matmul"
-        build.set(mm.weight, mm.out_dim, "colwise", f"column-parallel ({what})")
+        chunks = reaches[c].chunks or 1
+        if chunks > 1:
+            what = f"fused projection of {chunks} chunks, each split by heads"
+        build.set(mm.weight, mm.out_dim, "colwise", f"column-parallel ({what})", chunks)
         if mm.bias is not None:
-            build.set(mm.bias, 0, "colwise", "bias of a column-parallel matmul")
+            build.set(mm.bias, 0, "colwise", "bias of a column-parallel matmul", chunks)
     for r in rows:
         mm = matmuls[r]
         build.set(mm.weight, mm.in_dim, "rowwise", "row-parallel (pair's second matmul)")

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
 from partitioner.tp_plan import TPPlan, derive_tp_plan, given_tp_plan, matmul_of
@@ -163,6 +164,23 @@ def float_inputs(module: fx.GraphModule) -> list[bool]:
     ]
 
 
+def chunked_split(t: Any, size: int, dim: int = 0) -> Any:
+    """``aten.split`` of a fused projection's output: held strided (each rank its part of
+    every chunk, ``_StridedShard``), each rank splits its own part, so every chunk comes out
+    split over the ranks (by heads) with no communication; else as aten's."""
+    placement = t.placements[0] if isinstance(t, DTensor) and t.device_mesh.ndim == 1 \
+        else None
+    if isinstance(placement, _StridedShard):
+        d = dim % t.dim()
+        chunks = placement.split_factor
+        if placement.dim == d and isinstance(chunks, int) and t.shape[d] == size * chunks:
+            mesh = t.device_mesh
+            parts = t.to_local().split(t.to_local().shape[d] // chunks, dim=d)
+            return tuple(DTensor.from_local(part, mesh, [Shard(d)], run_check=False)
+                         for part in parts)
+    return aten.split.Tensor(t, size, dim)
+
+
 def _replicate_plain_operands(module: fx.GraphModule) -> None:
     """Make every plain tensor an op mixes with DTensors a Replicate DTensor in the graph
     (buffers, constants, tensors made inside: rotary tables, masks), so the forward and the
@@ -236,6 +254,8 @@ def _edit_graph(module: fx.GraphModule, plan: TPPlan) -> None:
             node.target = sharded_attention
         elif node.target is aten.embedding.default:
             node.target = whole_embedding
+        elif node.target is aten.split.Tensor:
+            node.target = chunked_split
     _replicate_plain_operands(module)
     graph.lint()
     module.recompile()
@@ -257,8 +277,12 @@ def shard_parameters(
                     continue
                 new = made.get(id(p))
                 if new is None:
-                    dim = plan.dim(names.get(id(p), ""))
-                    placement = [Replicate()] if dim is None or p.is_meta else [Shard(dim)]
+                    name = names.get(id(p), "")
+                    dim, chunks = plan.dim(name), plan.chunks(name)
+                    placement: list[Placement] = (
+                        [Replicate()] if dim is None or p.is_meta
+                        else [_StridedShard(dim, split_factor=chunks)] if chunks > 1
+                        else [Shard(dim)])
                     value = distribute_tensor(p.detach(), mesh, placement, src_data_rank=None)
                     new = made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
                 owner._parameters[field] = new

@@ -112,16 +112,25 @@ def test_vocabulary_not_divisible_replicates_the_embedding_and_head() -> None:
         assert placed.dim is None and "not divisible by 2" in placed.why, placed
 
 
-def test_fused_qkv_replicated_with_reason() -> None:
-    from tests.support.models import make_model
+def test_fused_qkv_split_per_chunk() -> None:
+    """A fused q/k/v projection split into 3 equal chunks: each rank holds its heads of every
+    chunk (strided), the output projection row-parallel; 3 heads over 2 ranks replicate."""
+    from pipeline.app.models import GPT
 
-    model = make_model()
-    captured = capture(model, (torch.randint(0, 8, (2, SEQ)),), method="export")
+    torch.manual_seed(0)
+    captured = capture(GPT(vocab=VOCAB, dim=16, layers=2, heads=2, max_seq=8).double(),
+                       (torch.randint(0, 8, (2, SEQ)),), method="export")
     plan = derive_tp_plan(captured.graph_module, 2)
-    fused = [p for p in plan.params.values() if "qkv.weight" in p.name]
-    assert fused and all(p.dim is None and "fused" in p.why for p in fused), plan
-    assert any("mlp" in p.name or "ff" in p.name or p.style == "colwise"
-               for p in plan.sharded), plan
+    fused = [p for p in plan.params.values() if ".qkv." in p.name]
+    assert len(fused) == 4 and all(p.dim == 0 and p.chunks == 3 for p in fused), plan
+    assert all(p.style == "rowwise" for p in plan.params.values() if ".proj.weight" in p.name)
+    assert "each of 3 fused chunks" in plan.describe()
+    torch.manual_seed(0)
+    captured = capture(GPT(vocab=VOCAB, dim=18, layers=1, heads=3, max_seq=8).double(),
+                       (torch.randint(0, 8, (2, SEQ)),), method="export")
+    plan = derive_tp_plan(captured.graph_module, 2)
+    qkv = next(p for p in plan.params.values() if p.name.endswith("qkv.weight"))
+    assert qkv.dim is None and "3 attention heads not divisible" in qkv.why, plan
 
 
 def test_given_plan_by_module_globs() -> None:

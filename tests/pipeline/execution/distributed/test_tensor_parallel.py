@@ -1,5 +1,6 @@
 """Tensor parallelism inside every pipeline stage, under the distributed executor (4 gloo
-processes launched as torchrun does): Hugging Face GPT-2 (tied embedding / LM head, fused qkv)
+processes launched as torchrun does): Hugging Face GPT-2 (tied embedding / LM head, fused qkv
+split per head)
 and a Llama (grouped-query attention, 4 heads and 2 kv heads, sharded by heads) at
 pp=2 x tp=2 under 1F1B and ZB-H1, and at pp=1 x tp=2 x dp=2: two SGD steps give the unsplit
 model's loss, every gradient (`full_tensor()` of each sharded one) and the whole model's
@@ -143,7 +144,10 @@ def worker_tp(out: Path) -> None:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 assert plan.style(f"model.layers.0.self_attn.{proj}.weight") == "colwise", plan
             assert plan.style("model.layers.0.self_attn.o_proj.weight") == "rowwise", plan
-            _count_collectives(pipe, layers, name)
+        else:  # the fused qkv split per chunk, each rank its heads of q, k and v
+            assert plan.chunks("transformer.h.0.attn.c_attn.weight") == 3, plan
+            assert plan.style("transformer.h.0.attn.c_proj.weight") == "rowwise", plan
+        _count_collectives(pipe, layers, name)
     dist.destroy_process_group()
     print("worker tp: every check ran", flush=True)
 
