@@ -118,7 +118,7 @@ class Pipeline:
     simulate, rebalance), docs/precision-memory.md, docs/distributed.md (torchrun, data
     parallel, sharding), docs/big-models.md (meta models, init_fn), docs/checkpoints.md
     (checkpoints, elastic training), docs/cli.md (the command line and pictures),
-    docs/compile.md (compiled stages).
+    docs/compile.md (compiled stages), docs/tensor-parallel.md (tensor_parallel, tp_plan).
     """
 
     def __init__(

@@ -16,7 +16,9 @@ the next stage."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from partitioner.tp_plan import TPPlan, derive_tp_plan, given_tp_plan, matmul_of
@@ -321,6 +324,39 @@ def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh) -> N
     module.forward = TensorParallelStage(module, mesh)
 
 
+# The Parameters the pass replaced (id -> weak reference), for `_check_optimizer`.
+_REPLACED: dict[int, weakref.ref[nn.Parameter]] = {}
+_HOOK: list[Any] = []
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step pre-hook (every optimizer's): a ValueError when the optimizer holds a
+    Parameter the tensor-parallel pass replaced by its shard (built before the plan was
+    made): its steps would change nothing the pipeline runs."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _REPLACED.get(id(p))
+            if ref is not None and ref() is p:
+                raise ValueError(
+                    f"this {type(optimizer).__name__} holds parameters that tensor_parallel "
+                    "replaced by their shards (DTensors), so its steps would not change the "
+                    "model the pipeline runs; build it once the plan is made: pass "
+                    "example_input=... to Pipeline, or build it after the first step"
+                )
+
+
+def _forget(key: int, _: object) -> None:
+    _REPLACED.pop(key, None)
+
+
+def _remember_replaced(made: Mapping[int, nn.Parameter], old: list[nn.Parameter]) -> None:
+    for p in old:
+        if id(p) in made:
+            _REPLACED[id(p)] = weakref.ref(p, partial(_forget, id(p)))
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
 def parallelize(
     planned: Decision, held: Mapping[int, fx.GraphModule], mesh: DeviceMesh, degree: int,
     rules: Mapping[str, Any] | None = None,
@@ -335,7 +371,8 @@ def parallelize(
              if n in plan.params}
     mine = {id(p) for m in held.values() for p in m.parameters()}
     holders = [planned.model, gm, planned.captured.unit_module, *planned.modules]
-    shard_parameters(holders, plan, mesh, names, only=mine)
+    old = [p for m in held.values() for p in m.parameters()]
+    _remember_replaced(shard_parameters(holders, plan, mesh, names, only=mine), old)
     for module in held.values():
         tensor_parallel(module, plan, mesh)
     return plan

@@ -188,6 +188,13 @@ class DistributedExecutor(Executor):
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
         """The units whose pipeline rank changes move with their gradients and optimizer
         state, then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
+        if self.layout.tensor_parallel > 1:
+            raise ValueError(
+                f"a re-plan moves units between pipeline ranks, but with tensor_parallel="
+                f"{self.layout.tensor_parallel} their parameters are sharded DTensors, which "
+                "the moves do not carry; build the Pipeline with the balance you want "
+                "(balance=[...]) instead of rebalancing"
+            )
         self.last_move = move_and_adopt(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
 

@@ -123,6 +123,21 @@ def _count_collectives(pipe: Any, layers: int, label: str) -> None:
     print(f"{label}: collectives of one forward {counts}", flush=True)
 
 
+def _stale_optimizer() -> None:
+    """An optimizer built before the plan holds the parameters the pass replaced: its first
+    step is a ValueError naming the fix, not a silent no-op."""
+    from pipeline import Pipeline
+    from tests.support.models import lm_loss
+
+    pipe = Pipeline(_build("llama"), stages=1, tensor_parallel=2, microbatches=2,
+                    loss_fn=lm_loss, balance="parameters")
+    early = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = _batch(0, ROWS)
+    pipe.step(x, y)
+    with pytest.raises(ValueError, match="replaced by their shards .* example_input"):
+        early.step()
+
+
 def worker_tp(out: Path) -> None:
     import torch.distributed as dist
 
@@ -148,6 +163,7 @@ def worker_tp(out: Path) -> None:
             assert plan.chunks("transformer.h.0.attn.c_attn.weight") == 3, plan
             assert plan.style("transformer.h.0.attn.c_proj.weight") == "rowwise", plan
         _count_collectives(pipe, layers, name)
+    _stale_optimizer()
     dist.destroy_process_group()
     print("worker tp: every check ran", flush=True)
 
