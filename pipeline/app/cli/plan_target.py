@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.planning.scale.search import search
     from pipeline.planning.scale.transformer import parse_spec
 
+    if not args.model.startswith(("gpt:", "llama:")):
+        raise ValueError(
+            f"--target prices transformer families by size (gpt:..., llama:...), not "
+            f"{args.model!r}; give one (docs/planning-at-scale.md), or plan {args.model!r} "
+            "on this machine's profile without --target")
     if args.batch_size is None:
         raise ValueError("--target needs --batch-size (sequences per step over all replicas)")
     job = Job(parse_spec(args.model), target_named(args.target, args.gpus_per_node),
