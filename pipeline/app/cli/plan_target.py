@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     if args.layout is not None:
         prediction = predict(job, parse_layout(args.layout))
         print(_one(prediction))
+        cap = args.memory_limit or job.target.memory_capacity
+        if prediction.max_memory > cap:
+            print(f"does not fit: {prediction.max_memory / 2**30:.1f} GiB on the fullest GPU, "
+                  f"over {cap / 2**30:.1f} GiB; try zero=zero1, recompute=full, more pp or "
+                  "fewer microbatches in flight")
         out: dict[str, Any] = {"target": job.target.name, "world_size": job.world_size,
                                "batch_size": job.batch_size,
                                "candidates": [prediction.to_dict()]}
