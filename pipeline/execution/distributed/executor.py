@@ -70,6 +70,7 @@ from pipeline.execution.materialize import meta_tensors
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.execution.tensor_parallel import parallelize
+from pipeline.planning.activation_policies import stage_policies
 from pipeline.planning.decision import Coordination, Decision
 
 
@@ -171,6 +172,7 @@ class DistributedExecutor(Executor):
             )
         self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
         if self.layout.tensor_parallel > 1:
+            self._check_tensor_parallel(planned, checkpoint_activations)
             with self.context.agreement.phase("the tensor-parallel pass"):
                 self.tp_plan = parallelize(planned, self._mine, self.context.tp_mesh,
                                            self.layout.tensor_parallel, self.tp_rules)
@@ -184,6 +186,23 @@ class DistributedExecutor(Executor):
                 if id(t) not in kept and not t.is_meta:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         super().load(planned, loss_fn=loss_fn, checkpoint_activations=checkpoint_activations)
+
+    def _check_tensor_parallel(self, planned: Decision, checkpoint_activations: object) -> None:
+        """What tensor parallelism does not compose with yet: a ValueError naming it and the
+        fix, before any parameter is sharded (each composition needs its own exact test)."""
+        policies = set(stage_policies(checkpoint_activations, planned.schedule.num_stages,
+                                      planned.plan.activations))
+        unbuilt = [name for name, used in (
+            ("shard=", self.shard is not None), ("compile=", self.compile is not None),
+            ("mixed_precision=", self.precision.dtype is not None),
+            ("checkpoint_activations=", policies != {"none"}),
+        ) if used]
+        if unbuilt:
+            raise ValueError(
+                f"tensor_parallel={self.layout.tensor_parallel} does not compose with "
+                f"{', '.join(unbuilt)} yet (docs/tensor-parallel.md lists what is built); drop "
+                "them, or use tensor_parallel=1"
+            )
 
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
         """The units whose pipeline rank changes move with their gradients and optimizer

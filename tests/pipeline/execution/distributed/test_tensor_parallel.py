@@ -136,6 +136,11 @@ def _stale_optimizer() -> None:
     pipe.step(x, y)
     with pytest.raises(ValueError, match="replaced by their shards .* example_input"):
         early.step()
+    # A composition not built yet is refused by name before anything is sharded.
+    with pytest.raises(ValueError, match="does not compose with checkpoint_activations="):
+        Pipeline(_build("llama"), stages=1, tensor_parallel=2, microbatches=2,
+                 loss_fn=lm_loss, balance="parameters", checkpoint_activations="full",
+                 example_input=x)
 
 
 def worker_tp(out: Path) -> None:
