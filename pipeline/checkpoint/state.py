@@ -83,7 +83,7 @@ def _gather_to_rank0(
     if replicas and ctx.layout.data_parallel > 1:
         with ctx.guard("state gather"):
             return wire.gather_values(part, dst=0)
-    if ctx.layout.dp_rank != 0:
+    if ctx.layout.dp_rank != 0 or ctx.layout.tp_rank != 0:  # tp ranks hold whole copies now
         return None
     if ctx.layout.stages == 1:
         return [part] if ctx.layout.rank == 0 else None

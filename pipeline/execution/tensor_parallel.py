@@ -16,6 +16,7 @@ the next stage."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -324,6 +325,21 @@ def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh) -> N
     module.forward = TensorParallelStage(module, mesh)
 
 
+def _warn_undivided(plan: TPPlan) -> None:
+    """A UserWarning naming what stays replicated because tp does not divide it (heads, kv
+    heads, a vocabulary, a width): correct, but it costs every rank the whole tensor."""
+    undivided = [p for p in plan.params.values() if "not divisible" in p.why]
+    if undivided:
+        shown = "; ".join(f"{p.name}: {p.why}" for p in undivided[:4])
+        more = f" ... and {len(undivided) - 4} more" if len(undivided) > 4 else ""
+        warnings.warn(
+            f"tensor_parallel={plan.degree} replicates {len(undivided)} parameter(s) it does "
+            f"not divide ({shown}{more}); correct, but each rank holds them whole: choose a "
+            "tensor_parallel that divides the heads and vocabulary to split them",
+            stacklevel=3,
+        )
+
+
 # The Parameters the pass replaced (id -> weak reference), for `_check_optimizer`.
 _REPLACED: dict[int, weakref.ref[nn.Parameter]] = {}
 _HOOK: list[Any] = []
@@ -367,6 +383,7 @@ def parallelize(
     each held stage run on the tp `mesh`. Returns the plan."""
     gm = planned.captured.graph_module
     plan = derive_tp_plan(gm, degree) if rules is None else given_tp_plan(gm, degree, rules)
+    _warn_undivided(plan)
     names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=False)
              if n in plan.params}
     mine = {id(p) for m in held.values() for p in m.parameters()}

@@ -98,6 +98,10 @@ def test_grouped_query_and_heads_not_divisible() -> None:
     for proj in ("k", "v"):
         placed = plan.params[f"blocks.0.attn.{proj}.weight"]
         assert placed.dim is None and "kv heads not divisible" in placed.why, placed
+    from pipeline.execution.tensor_parallel import _warn_undivided
+
+    with pytest.warns(UserWarning, match=r"replicates 4 parameter\(s\) it does not divide"):
+        _warn_undivided(plan)  # what the pass says when it applies this plan
     plan, _ = _plan(Tiny(heads=2, kv_heads=2), tp=4)  # 2 heads over 4 ranks: all replicated
     for proj in ("q", "k", "v", "o"):
         placed = plan.params[f"blocks.0.attn.{proj}.weight"]

@@ -4,7 +4,8 @@ split per head)
 and a Llama (grouped-query attention, 4 heads and 2 kv heads, sharded by heads) at
 pp=2 x tp=2 under 1F1B and ZB-H1, and at pp=1 x tp=2 x dp=2: two SGD steps give the unsplit
 model's loss, every gradient (`full_tensor()` of each sharded one) and the whole model's
-gradient norm from `clip_grad_norm_`, in float64 to 1e-9. The collectives of one forward of a
+gradient norm from `clip_grad_norm_`, in float64 to 1e-9, and `pipe.state_dict()` the unsplit
+model's whole tensors. The collectives of one forward of a
 tp=2 stage are counted with CommDebugMode: one all-reduce per row-parallel matmul (2 per
 transformer block) plus the vocab-parallel embedding's, one all-gather (the LM head's logits),
 no weight gathered.
@@ -61,6 +62,8 @@ def _whole(t: Any) -> torch.Tensor:
 
 def _check(name: str, pp: int, schedule: str) -> Any:
     """Two clipped SGD steps of a tp=2 Pipeline against the unsplit model."""
+    import torch.distributed as dist
+
     from pipeline import Pipeline
     from tests.support.models import lm_loss
 
@@ -104,6 +107,12 @@ def _check(name: str, pp: int, schedule: str) -> Any:
     for k, p in pipe.named_parameters():  # the steps moved every shard as the unsplit model
         torch.testing.assert_close(_whole(p.detach()), want[k].detach(), atol=ATOL, rtol=0,
                                    msg=f"{label}: {k} after two steps")
+    state = pipe.state_dict()  # whole tensors, on global rank 0 only
+    assert (state is not None) == (dist.get_rank() == 0), label
+    if state is not None:
+        assert sorted(state) == sorted(ref.state_dict()), label
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, atol=ATOL, rtol=0, msg=f"{label}: state {k}")
     return pipe
 
 
