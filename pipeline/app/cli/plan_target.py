@@ -1,5 +1,7 @@
-"""`hybridpipe plan MODEL --target NAME`: plan a transformer family (`gpt:...`,
-`llama:...`) for hardware this machine does not have. With --layout it predicts that one
+"""`hybridpipe plan MODEL --target NAME`: plan a model for hardware this machine does not
+have: a transformer family by size (`gpt:...`, `llama:...`: tensor parallelism and recompute
+priced too) or any other MODEL, built on meta, captured and priced unit by unit (pipeline
+and data parallelism). With --layout it predicts that one
 configuration; without, it searches (tp, pp, dp, microbatch size, microbatches, chunks,
 schedule, recompute, ZeRO) under the target's memory and prints the ranked table
 (pipeline.planning.scale)."""
@@ -37,17 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.planning.scale.layout import Job, parse_layout
     from pipeline.planning.scale.predict import predict
     from pipeline.planning.scale.search import search
-    from pipeline.planning.scale.transformer import parse_spec
 
-    if not args.model.startswith(("gpt:", "llama:")):
-        raise ValueError(
-            f"--target prices transformer families by size (gpt:..., llama:...), not "
-            f"{args.model!r}; give one (docs/planning-at-scale.md), or plan {args.model!r} "
-            "on this machine's profile without --target")
     if args.batch_size is None:
         raise ValueError("--target needs --batch-size (sequences per step over all replicas)")
-    job = Job(parse_spec(args.model), target_named(args.target, args.gpus_per_node),
-              args.world_size, args.batch_size, args.precision)
+    target = target_named(args.target, args.gpus_per_node)
+    job = Job(_spec(args, target), target, args.world_size, args.batch_size, args.precision)
     if args.layout is not None:
         prediction = predict(job, parse_layout(args.layout))
         print(_one(prediction))
@@ -69,6 +65,25 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _spec(args: argparse.Namespace, target: Any) -> Any:
+    """A family parsed by size, or any other MODEL built on meta, captured and priced."""
+    import torch
+
+    from pipeline.app.cli.model_arg import FAMILY_PREFIXES, example_inputs, load_model
+    from pipeline.planning.scale.graph import price_graph
+    from pipeline.planning.scale.transformer import parse_spec
+    from pipeline.planning.scale.units import DTYPES
+
+    if args.model.startswith(FAMILY_PREFIXES):
+        return parse_spec(args.model)
+    dtype = DTYPES[args.precision]
+    with torch.device("meta"):
+        model = load_model(args.model).to(dtype)
+    inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in example_inputs(
+        args.model, args.input_shape, args.input_dtype, args.vocab))
+    return price_graph(args.model, model, inputs, target)
 
 
 def _one(p: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pipeline.planning.hardware.targets import Target
+from pipeline.planning.scale.graph import GraphSpec
 from pipeline.planning.scale.transformer import TransformerSpec
 from scheduler import SCHEDULES
 from scheduler.synthesize import SYNTH
@@ -80,11 +81,11 @@ def parse_layout(text: str) -> Layout:
 
 @dataclass(frozen=True)
 class Job:
-    """What is planned: `spec` trained on `world_size` devices of `target` with
-    `batch_size` sequences per step in `precision` ("bf16"/"fp16": mixed precision with
-    fp32 master weights; "fp32")."""
+    """What is planned: `spec` (a family by size, or a captured graph's priced units)
+    trained on `world_size` devices of `target` with `batch_size` sequences per step in
+    `precision` ("bf16"/"fp16": mixed precision with fp32 master weights; "fp32")."""
 
-    spec: TransformerSpec
+    spec: TransformerSpec | GraphSpec
     target: Target
     world_size: int
     batch_size: int
@@ -104,6 +105,9 @@ def fit(job: Job, layout: Layout) -> tuple[int, int]:
         raise ValueError(f"tp={tp} spans nodes of {job.gpus_per_node} GPUs; keep tp <= "
                          f"{job.gpus_per_node}")
     job.spec.check_tp(tp)
+    if isinstance(job.spec, GraphSpec) and layout.recompute != "none":
+        raise ValueError(f"recompute={layout.recompute} is priced for the gpt:/llama: "
+                         "families only; use recompute=none")
     dp = job.world_size // (tp * pp)
     if job.batch_size % (dp * m):
         raise ValueError(f"batch {job.batch_size} does not split into dp={dp} x "

@@ -153,6 +153,9 @@ def _zero3_exposed(job: Job, layout: Layout, sim: Simulated) -> float:
 
 def _flops(job: Job, units: Units, layout: Layout) -> tuple[float, float]:
     """(model, executed) FLOPs of one microbatch through the whole model."""
+    if units.chain:
+        total = sum(u.forward_flops + u.backward_flops for u in units.chain)
+        return total, total
     t, blk = layout.tp, units.block_unsharded
     edges = t * (units.embed.forward_flops + units.embed.backward_flops
                  + units.head.forward_flops + units.head.backward_flops)

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pipeline.planning.scale.graph import GraphSpec
 from pipeline.planning.scale.layout import RECOMPUTE, SYNTH, ZERO, Job, Layout
 from pipeline.planning.scale.memory import memory_per_rank, state, zero3
 from pipeline.planning.scale.predict import (
@@ -64,7 +65,8 @@ class ScalePlan:
                                                               key=lambda kv: -kv[1]))
         rows.append(
             f"{job.spec.family} on {job.world_size} x {job.target.name}, batch "
-            f"{job.batch_size} x {job.spec.seq} tokens, {job.precision}, memory cap "
+            f"{job.batch_size}{f' x {job.spec.seq} tokens' if job.spec.seq else ''}, "
+            f"{job.precision}, memory cap "
             f"{self.memory_limit / 2**30:.1f} GiB/GPU: {self.simulated} simulated, "
             f"{sum(self.rejected.values())} rejected ({reasons or 'none'}); "
             f"{len(self.candidates)} kept; {self.seconds:.1f} s")
@@ -74,7 +76,8 @@ class ScalePlan:
     def to_dict(self) -> dict[str, Any]:
         job = self.job
         return {
-            "model": job.spec.__dict__, "target": job.target.name,
+            "model": job.spec.name if isinstance(job.spec, GraphSpec) else job.spec.__dict__,
+            "target": job.target.name,
             "world_size": job.world_size, "batch_size": job.batch_size,
             "precision": job.precision, "memory_limit": self.memory_limit,
             "simulated": self.simulated, "rejected": self.rejected, "seconds": self.seconds,
@@ -95,7 +98,8 @@ def _one_rank(schedules: Sequence[str]) -> list[str]:
 def layouts(job: Job, schedules: Sequence[str]) -> Iterator[Layout]:
     """Every layout of generator schedules the sizes allow (ZeRO left to `finish`)."""
     g = job.gpus_per_node
-    for tp in (t for t in _divisors(g) if job.world_size % t == 0):
+    graph = isinstance(job.spec, GraphSpec)
+    for tp in (t for t in _divisors(1 if graph else g) if job.world_size % t == 0):
         for pp in _divisors(job.world_size // tp):
             if pp > job.spec.layers:
                 continue
@@ -111,7 +115,7 @@ def layouts(job: Job, schedules: Sequence[str]) -> Iterator[Layout]:
                     for v in (_CHUNKS.get(name, (1,)) if pp > 1 else (1,)):
                         if pp * v > job.spec.layers + 2:
                             continue
-                        for recompute in RECOMPUTE:
+                        for recompute in ("none",) if graph else RECOMPUTE:
                             yield Layout(tp, pp, m, v, name, recompute)
 
 

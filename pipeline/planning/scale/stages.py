@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pipeline.planning.hardware.collectives import Placement, collective_seconds
 from pipeline.planning.scale.layout import Job, Layout
 from pipeline.planning.scale.pricing import UnitPrice
+from pipeline.planning.scale.transformer import TransformerSpec
 from pipeline.planning.scale.units import DTYPES, Units
 
 
@@ -89,13 +90,17 @@ def _edge(unit: UnitPrice, f_comm: float, b_comm: float, out: float) -> UnitCost
 
 def unit_chain(job: Job, layout: Layout, units: Units) -> list[UnitCost]:
     """The chain's units in order, costed for `layout`."""
-    act = units.microbatch_size * job.spec.seq * job.spec.hidden * (
+    spec = job.spec
+    if not isinstance(spec, TransformerSpec):
+        return [UnitCost(u.forward, u.input_grad, u.weight_grad, u.saved, 0.0, u.parameters,
+                         u.output_bytes) for u in units.chain]
+    act = units.microbatch_size * spec.seq * spec.hidden * (
         DTYPES[job.precision].itemsize)
     comm = tp_collective(job, layout, act)
     blk = _block(units, layout, comm)
     embed = _edge(units.embed, comm, 0.0, blk.output)
     head = _edge(units.head, 0.0, comm, 0.0)
-    return [embed, *([blk] * job.spec.layers), head]
+    return [embed, *([blk] * spec.layers), head]
 
 
 def _packed(costs: list[float], cap: float) -> list[int]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.planning.hardware.targets import Target
+from pipeline.planning.scale.graph import GraphSpec
 from pipeline.planning.scale.pricing import UnitPrice, price
 from pipeline.planning.scale.transformer import Embedding, Head, TransformerSpec, block
 
@@ -19,7 +20,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class Units:
-    """Priced units for one microbatch of `microbatch_size` sequences at `tp`."""
+    """Priced units for one microbatch of `microbatch_size` sequences at `tp`. For a
+    captured graph (`GraphSpec`), `chain` holds all its units in order (and embed, head are
+    its first and last, block and block_unsharded its first)."""
 
     embed: UnitPrice
     block: UnitPrice
@@ -27,6 +30,7 @@ class Units:
     block_unsharded: UnitPrice
     tp: int
     microbatch_size: int
+    chain: tuple[UnitPrice, ...] = ()
 
 
 def _priced(spec: TransformerSpec, target: Target, precision: str, tp: int, mbs: int
@@ -51,13 +55,18 @@ def _priced(spec: TransformerSpec, target: Target, precision: str, tp: int, mbs:
 _CACHE: dict[tuple[TransformerSpec, str, str, int, int], Units] = {}
 
 
-def priced_units(spec: TransformerSpec, target: Target, precision: str, tp: int, mbs: int
-                 ) -> Units:
+
+def priced_units(spec: TransformerSpec | GraphSpec, target: Target, precision: str, tp: int,
+                 mbs: int) -> Units:
     """The family's units priced on `target` (cached per spec, target name, precision, tp
-    and microbatch size: op prices do not depend on the network)."""
+    and microbatch size: op prices do not depend on the network); a captured graph's
+    units scaled to the microbatch."""
     if precision not in DTYPES:
         raise ValueError(f"precision {precision!r}: use one of {sorted(DTYPES)}")
     spec.check_tp(tp)
+    if isinstance(spec, GraphSpec):
+        chain = spec.scaled(mbs)
+        return Units(chain[0], chain[0], chain[-1], chain[0], 1, mbs, chain)
     key = (spec, target.name, precision, tp, mbs)
     if key not in _CACHE:
         _CACHE[key] = _priced(spec, target, precision, tp, mbs)

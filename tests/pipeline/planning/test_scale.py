@@ -176,3 +176,23 @@ def test_fsdp_without_a_pipeline_shards_everything_and_pays_its_gathers() -> Non
     assert mem.gradients == pytest.approx(zero1.memory.gradients / 8)  # and grads sharded
     assert mem.optimizer == pytest.approx(zero1.memory.optimizer)
     assert fsdp.step_time >= zero1.pipeline_time
+
+
+def test_any_model_is_captured_on_meta_and_priced_unit_by_unit() -> None:
+    from pipeline.planning.scale.graph import price_graph
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    spec = price_graph("stack", model, (torch.randn(8, 64),), A100)
+    assert len(spec.units) == 4 and spec.batch == 8
+    assert all(u.forward_flops == 2 * 8 * 64 * 64 for u in spec.units)
+    assert spec.units[0].input_grad_flops == 2 * 8 * 64 * 64  # the input's grad
+    assert spec.units[0].parameters == 64 * 64 + 64
+    job = Job(spec, A100, 4, 32)
+    p = predict(job, parse_layout("pp=2,microbatches=2,schedule=1f1b"))
+    assert p.dp == 2 and p.microbatch_size == 8 and len(p.peak_memory) == 2
+    assert predict(job, parse_layout("pp=2,microbatches=4")).microbatch_size == 4
+    with pytest.raises(ValueError, match="families only"):
+        fit(job, Layout(tp=2, pp=2))
+    with pytest.raises(ValueError, match="families only"):
+        fit(job, Layout(pp=2, microbatches=2, recompute="full"))
