@@ -21,33 +21,28 @@ from torch.utils.data import Dataset, Sampler
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
 from partitioner.tp_plan import TPPlan
-from pipeline.execution.compiled import CompileStats, compile_options
+from pipeline.execution.compiled import CompileStats
 from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
 from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
-from pipeline.execution.precision import make_precision, warn_low_precision_parameters
+from pipeline.execution.precision import warn_low_precision_parameters
 from pipeline.execution.program import LossFn
-from pipeline.execution.timeouts import resolve_compile_timeout, resolve_timeout
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
 from pipeline.facade.modes import Modes
-from pipeline.facade.running import (
-    CallGuard,
-    check_grad_accumulation,
-    one_at_a_time,
-    run_step,
-)
+from pipeline.facade.running import CallGuard, one_at_a_time, run_step
 from pipeline.facade.settings import check_settings, executor_for
 from pipeline.facade.setup import Setup, auto_layout
 from pipeline.facade.state import ModelState
-from pipeline.planning.activation_policies import Selective, check_policies
+from pipeline.planning.activation_policies import Selective
 from pipeline.planning.autoplan import AutoPlan
 from pipeline.planning.calibration import Calibration, Rebalance
 from pipeline.planning.costs import StageCosts
 from pipeline.planning.decision import Decision
 from pipeline.planning.microbatch import Batch, Microbatches
+from pipeline.planning.settings import PipelineSettings
 from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule, Timeline
 
@@ -112,6 +107,12 @@ class Pipeline:
     - ``compile_timeout``: with ``compile=``, the seconds a wait may take in a step in which
       a process may be compiling (the first step of each batch shape, and setup), instead of
       ``timeout`` (never less; default $HYBRIDPIPE_COMPILE_TIMEOUT, else 1800).
+    - ``sequence_parallel``: the regions between tensor-parallel layers sharded along the
+      sequence too (a ValueError in this build, which keeps them whole on every tp rank).
+
+    The arguments are checked once into ``pipe.settings`` (a frozen
+    pipeline.planning.settings.PipelineSettings); ``pipe.describe()`` shows how each stage
+    was prepared to run (docs/architecture.md).
 
     Guides: docs/training.md (options and what a step guarantees), docs/capture.md (capture
     and real models), docs/schedules.md, docs/planning.md (cost model, profiling, auto-plan,
@@ -139,59 +140,49 @@ class Pipeline:
         compile: bool | dict[str, Any] = False,  # noqa: A002 - torch.compile's name
         compile_timeout: float | None = None,
         tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
         self._layouts: AutoPlan | None = None
-        layout = agreement = None
-        if stages == "auto" and tensor_parallel != 1:
-            raise ValueError(
-                f"stages='auto' does not choose a layout with tensor_parallel="
-                f"{tensor_parallel} yet; give stages (world = data_parallel x stages x "
-                "tensor_parallel)")
-        if stages == "auto":  # planning's first step: the layout for the world
-            layout, agreement = auto_layout(
-                model, example_input, schedule=schedule, microbatches=microbatches,
-                virtual_stages=virtual_stages, data_parallel=data_parallel,
-                memory_limit=memory_limit, leaf_modules=leaf_modules,
-                capture_method=capture_method, dynamic_dims=dynamic_dims,
-                timeout=resolve_timeout(timeout))
-            self._layouts, example_input = layout.ranking, layout.example
-            stages, data_parallel = layout.stages, layout.data_parallel
-            schedule, microbatches = layout.schedule, layout.microbatches
-            virtual_stages = layout.virtual_stages
-        self.stages = check_settings(
-            stages, microbatches, virtual_stages, memory_limit, data_parallel
+        settings = check_settings(
+            stages, schedule=schedule, microbatches=microbatches, balance=balance,
+            devices=devices, virtual_stages=virtual_stages, memory_limit=memory_limit,
+            checkpoint_activations=checkpoint_activations, data_parallel=data_parallel,
+            timeout=timeout, leaf_modules=leaf_modules, rebalance=rebalance,
+            capture_method=capture_method, mixed_precision=mixed_precision,
+            dynamic_dims=dynamic_dims, grad_accumulation=grad_accumulation, shard=shard,
+            reduce_dtype=reduce_dtype, compile=compile, compile_timeout=compile_timeout,
+            tensor_parallel=tensor_parallel, tp_plan=tp_plan,
+            sequence_parallel=sequence_parallel,
         )
+        layout = agreement = None
+        if settings.stages == "auto":  # planning's first step: the layout for the world
+            layout, agreement = auto_layout(model, example_input, settings)
+            self._layouts, example_input = layout.ranking, layout.example
+            settings = settings.laid_out(
+                stages=layout.stages, data_parallel=layout.data_parallel,
+                schedule=layout.schedule, microbatches=layout.microbatches,
+                virtual_stages=layout.virtual_stages)
+        self.settings: PipelineSettings = settings
+        self.stages = settings.ranks
         self.loss_fn = loss_fn
-        self.grad_accumulation = check_grad_accumulation(grad_accumulation)
-        self.checkpoint_activations = check_policies(checkpoint_activations, memory_limit)
-        self.timeout = resolve_timeout(timeout)
-        self._executor = executor_for(self.stages, devices, data_parallel, self.timeout, shard,
-                                      agreement, tensor_parallel, tp_plan)
+        self.grad_accumulation = settings.grad_accumulation
+        self.checkpoint_activations = settings.checkpoint_activations
+        self.timeout = settings.timeout
+        self._executor = executor_for(settings, agreement)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
-        self._executor.precision = make_precision(mixed_precision, reduce_dtype, self.shard)
-        options = compile_options(compile)
-        if options is not None and self._executor.threads_on_cpu:
-            options = options.without_gil()  # the ranks' threads must not queue on the GIL
-        self._executor.compile = options
-        self._executor.compile_timeout = resolve_compile_timeout(compile_timeout)
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
         self._modes = Modes(model)  # before any plan: it needs every tensor's shape
         self._setup = Setup.agreed(
-            model, self._executor, self._load, self.stages, schedule=schedule,
-            microbatches=microbatches, virtual_stages=virtual_stages, balance=balance,
-            leaf_modules=leaf_modules, memory_limit=memory_limit, capture_method=capture_method,
-            loss_fn=loss_fn, dynamic_dims=dynamic_dims,
-            auto_activations=self.checkpoint_activations == "auto",
+            model, self._executor, self._load, settings, loss_fn=loss_fn,
             surveyed=layout.surveyed if layout is not None else None,
-            profile_up_front=rebalance,
         )
-        self._measured = MeasuredSteps(self._setup, self.stages, rebalance)
+        self._measured = MeasuredSteps(self._setup, self.stages, settings.rebalance)
         self._metrics = Metrics()
         if example_input is not None:
             self._setup.plan_on(example_input)
@@ -200,9 +191,7 @@ class Pipeline:
         """Give a plan to the executor with this Pipeline's (current) loss and settings."""
         # What the FLOP count needs, while this process still holds the whole model.
         self._metrics.flop_count.snapshot(decision.captured.graph_module, decision.example)
-        self._executor.load(
-            decision, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations
-        )
+        self._executor.load(decision, loss_fn=self.loss_fn)
         self._model_state.initialise()
 
     # -- planning and running -----------------------------------------------------------------
@@ -363,6 +352,16 @@ class Pipeline:
         self._setup.require_plan()  # the explanatory error before the first batch
         held = self._executor.held()
         return [held[s] for s in sorted(held)]
+
+    def describe(self) -> str:
+        """How this Pipeline runs, as text: the schedule, then each stage this process holds
+        with the stage-preparation passes that made it ready to run, in their order (split,
+        tensor parallel, activation policy, compile, precision, data parallel;
+        pipeline.execution.passes), one line each. Once the plan is made."""
+        self._setup.require_plan()  # the explanatory error before the first batch
+        prepared = self._executor.prepared
+        stages = [prepared[s].describe() for s in sorted(self._executor.held()) if s in prepared]
+        return "\n".join([repr(self), *stages])
 
     @property
     def autoplan(self) -> AutoPlan | None:

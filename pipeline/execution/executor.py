@@ -8,7 +8,7 @@ on its devices (`load`) and runs steps; the local one with one thread per pipeli
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -21,24 +21,21 @@ from torch.utils._pytree import tree_leaves
 from partitioner import Captured, StageModule, UnitCosts
 from partitioner.saved_bytes import SavedBytes
 from partitioner.tp_plan import TPPlan
-from pipeline.execution.compiled import (
-    CompileOptions,
-    CompileStats,
-    compiled_stage,
-    compiled_unit,
-)
+from pipeline.execution.activations.graph import block_runs
+from pipeline.execution.compiled import CompileOptions, CompileStats, compile_options, compiled_unit
 from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
-from pipeline.execution.precision import Precision
+from pipeline.execution.passes import PreparedStage, StageContext, prepare
+from pipeline.execution.precision import make_precision
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.stage_code import StageCode, adopt
 from pipeline.execution.stage_io import weighted_loss
-from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
 from pipeline.planning.microbatch import Microbatches, batch_size, merge_microbatches
-from pipeline.planning.planner import measure
+from pipeline.planning.planner import PlannerHooks, measure
 from pipeline.planning.replan import median_stage_times
+from pipeline.planning.settings import PipelineSettings
 from scheduler import Schedule
 
 if TYPE_CHECKING:
@@ -46,11 +43,17 @@ if TYPE_CHECKING:
     from pipeline.execution.runtime import RankRuntime
 
 
+log = logging.getLogger("hybridpipe")
+
+
 class Executor(ABC):
-    """Runs a planned pipeline. `devices[r]`: the device of pipeline rank r (as this process
-    sees it); `coordination`: how this executor's processes plan together; `context`: the
-    process groups under torch.distributed, else None; `shard`: how data-parallel replicas
-    share their state (pipeline.execution.distributed.shard; None in one process)."""
+    """Runs a planned pipeline with the Pipeline's `settings` (pipeline.planning.settings:
+    the precision, compile options and allowance, activation policy and sharding come from
+    them, at construction). `devices[r]`: the device of pipeline rank r (as this process sees
+    it, set by a subclass before this constructor runs); `coordination`: how this executor's
+    processes plan together; `context`: the process groups under torch.distributed, else
+    None; `shard`: how data-parallel replicas share their state
+    (pipeline.execution.distributed.shard; None in one process)."""
 
     devices: list[torch.device]
     coordination: Coordination
@@ -58,30 +61,43 @@ class Executor(ABC):
     shard: str | None = None
     tp_plan: TPPlan | None = None  # the tensor-parallel plan applied (distributed, tp > 1)
 
-    def __init__(self) -> None:
+    def __init__(self, settings: PipelineSettings) -> None:
+        self.settings = settings
         self.planned: Decision | None = None  # the running decision (`load`, then `adopt`)
-        self.checkpoint_activations: object = False  # the setting `load` was given
         self.loss_fn: LossFn | None = None
         self.activations: tuple[Policy, ...] = ()  # each stage's policy, once loaded
-        self.precision = Precision()  # the Pipeline's mixed precision (set before `load`)
+        self.precision = make_precision(settings.mixed_precision, settings.reduce_dtype,
+                                        settings.shard)
         self.weights_checked = False  # no meta tensor held (checked before the first step)
         self.saved_bytes: dict[int, SavedBytes] = {}  # pipeline rank -> its meter, if counting
-        self.compile: CompileOptions | None = None  # the Pipeline's compile= (set before `load`)
-        self.compile_timeout = DEFAULT_COMPILE_TIMEOUT  # the Pipeline's compile allowance
+        options = compile_options(settings.compile)
+        if options is not None and self.threads_on_cpu:
+            options = options.without_gil()  # the ranks' threads must not queue on the GIL
+        self.compile: CompileOptions | None = options
+        self.compile_timeout = settings.compile_timeout  # the compile allowance
         self.compile_stats = CompileStats()
+        self.prepared: dict[int, PreparedStage] = {}  # the held stages, as last prepared
+        self._logged: dict[int, tuple[str, ...]] = {}  # each stage's passes, as last logged
 
-    def runnable(self, module: StageModule, splits: bool) -> nn.Module:
-        """What runs `module` in a step: the module itself, or its compiled form (compile=).
-        `splits`: the schedule splits the backward into B and W."""
-        if self.compile is None:
-            return module
-        if self.shard == "full":
-            self.compile_stats.runs_eager(
-                f"stage {module.index}", "shard='full' gathers parameters in FSDP2 hooks on the "
-                "stage module, which the compiled stage does not call; use shard='optimizer' "
-                "or None to compile")
-            return module
-        return compiled_stage(module, self.compile, self.compile_stats, splits=splits)
+    def prepare_stage(self, module: StageModule) -> PreparedStage:
+        """`module` made ready to run by the stage-preparation passes
+        (pipeline.execution.passes), which are logged once per stage."""
+        planned, s = self.planned, module.index
+        if planned is None:
+            raise RuntimeError("the executor has no plan yet; call load first")
+        schedule = planned.schedule
+        context = StageContext(
+            device=self.devices[schedule.placement[s]], units=tuple(planned.plan.stages[s]),
+            splits=schedule.splits_backward, policy=self.activations[s],
+            precision=self.precision, compile=self.compile, compile_stats=self.compile_stats,
+            dist=self.context, tp_plan=self.tp_plan,
+        )
+        stage = prepare(module, self.settings, context)
+        self.prepared[s] = stage
+        if self._logged.get(s) != stage.applied:
+            self._logged[s] = stage.applied
+            log.info("hybridpipe: %s", stage.describe())
+        return stage
 
     @property
     def threads_on_cpu(self) -> bool:
@@ -89,27 +105,25 @@ class Executor(ABC):
         GIL, so compiled code should not hold it)."""
         return False
 
-    def profiled_unit(self, unit: nn.Module, splits: bool = True) -> nn.Module:
-        """What runs a captured unit when the planner times it: compiled as the stages will
-        be (compile=), so the balance sees compiled costs; else the unit itself. `splits`:
-        B and W are timed apart (a schedule may split the backward)."""
-        if self.compile is None or self.shard == "full" or not isinstance(unit, fx.GraphModule):
-            return unit
-        return compiled_unit(unit, self.compile, self.compile_stats, splits=splits)
+    def planner_hooks(self) -> PlannerHooks:
+        """What the planner measures with (`planner_hooks`), for this executor's compile
+        options (none under shard="full", whose stages run eager) and rank threads."""
+        threads = len(self.devices) if self.threads_on_cpu else 1
+        options = self.compile if self.shard != "full" else None
+        return planner_hooks(options, self.compile_stats, threads)
 
     # -- set-up -----------------------------------------------------------------------------------
 
-    def load(
-        self, planned: Decision, *, loss_fn: LossFn | None, checkpoint_activations: object
-    ) -> None:
+    def load(self, planned: Decision, *, loss_fn: LossFn | None) -> None:
         """Take the plan: place the stages this process holds on their devices (freeing the
-        others') and get ready to run. `checkpoint_activations`: the activation policy, one
-        for all stages or one per stage (pipeline.execution.activations)."""
+        others') and get ready to run, each stage under its activation policy (the settings'
+        ``checkpoint_activations``, one for all stages or one per stage, or the plan's)."""
         self.activations = stage_policies(
-            checkpoint_activations, planned.schedule.num_stages, planned.plan.activations
+            self.settings.checkpoint_activations, planned.schedule.num_stages,
+            planned.plan.activations,
         )
-        self.checkpoint_activations = checkpoint_activations
         self.planned = planned
+        self.prepared = {}
         self.loss_fn = loss_fn
         self.reload()
 
@@ -124,8 +138,7 @@ class Executor(ABC):
         if decision.modules is old.modules and decision.schedule is old.schedule:
             self.planned = decision
             return
-        self._relocate(old, decision, lambda: self.load(
-            decision, loss_fn=self.loss_fn, checkpoint_activations=self.checkpoint_activations))
+        self._relocate(old, decision, lambda: self.load(decision, loss_fn=self.loss_fn))
 
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
         """Move what `new` places elsewhere than `old`, then `rebuild` for `new`; here every
@@ -159,8 +172,8 @@ class Executor(ABC):
         # B and W timed apart where a schedule may split the backward (an "auto" one may
         # be re-synthesised into one that does), as the planner times them.
         splits = decision.schedule.splits_backward or decision.auto is not None
-        runner = None if self.compile is None else functools.partial(
-            self.profiled_unit, splits=splits)
+        unit_runner = self.planner_hooks().unit_runner
+        runner = None if unit_runner is None else (lambda unit: unit_runner(unit, splits))
         costs = measure(captured, decision.model,
                         decision.example if whole else decision.capture.rows,
                         self.coordination.device, runner, units=None if whole else held)
@@ -244,9 +257,7 @@ class Executor(ABC):
         for s, module in held.items():
             adopt(module, codes[s], self.devices[self._schedule.placement[s]])
         for runtime in self._runtimes():  # a compiled stage is compiled from the new code
-            runtime.restage({
-                s: self.runnable(held[s], self._schedule.splits_backward) for s in runtime.stages
-            })
+            runtime.restage({s: self.prepare_stage(held[s]) for s in runtime.stages})
 
     @abstractmethod
     def held(self) -> dict[int, StageModule]:
@@ -409,6 +420,22 @@ class Executor(ABC):
         autograd graph only when grad mode is enabled in the caller."""
 
 
+def planner_hooks(options: CompileOptions | None, stats: CompileStats, threads: int = 1
+                  ) -> PlannerHooks:
+    """What the planner measures with so that it sees what will run: each captured unit
+    compiled as the stages will be under `options` (compile=; `stats` counts the graphs; the
+    artefacts are those the stages reuse), the activation policies priced on the runtime's
+    block runners, timed `threads` at once (the ranks this process runs in threads)."""
+    runner = None
+    if options is not None:
+        def runner(unit: nn.Module, splits: bool) -> nn.Module:
+            if not isinstance(unit, fx.GraphModule):
+                return unit
+            return compiled_unit(unit, options, stats, splits=splits)
+
+    return PlannerHooks(unit_runner=runner, block_runs=block_runs, price_threads=threads)
+
+
 def merge_outputs(outputs: Sequence[Any]) -> Any:
     """The microbatches' outputs as one batch's. The last stage's process may not hold the
     inputs: the microbatches' row counts come from the outputs' batch dim when they have one
@@ -434,13 +461,6 @@ def check_optimizer_class(optimizer_class: object) -> None:
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}; "
             "pass the class itself, e.g. pipe.optimizer(torch.optim.AdamW, lr=1e-3)"
         )
-
-
-def place(module: nn.Module, device: torch.device) -> None:
-    """Move a stage module to its device; one still holding meta tensors (a model built on the
-    meta device) stays until its weights are loaded or initialised."""
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        module.to(device)
 
 
 def meta_message(names: Sequence[str], who: str) -> str:

@@ -22,12 +22,13 @@ from partitioner import StageModule
 from pipeline.execution import streams
 from pipeline.execution.cancel import CancelToken, PipelineAborted
 from pipeline.execution.compiled import compiling
-from pipeline.execution.executor import Executor, place
+from pipeline.execution.executor import Executor
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.program import RankResult, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.execution.timeouts import DEFAULT_COMPILE_TIMEOUT
 from pipeline.planning.decision import Coordination, decide_alone
+from pipeline.planning.settings import PipelineSettings
 from scheduler import MessageKey, Recv, Send, Timeline, describe_message
 
 _POLL = 0.02  # seconds between abort checks while a worker waits for a tensor
@@ -191,13 +192,14 @@ def resolve_devices(devices: Sequence[str | torch.device] | None, ranks: int) ->
 
 class LocalExecutor(Executor):
     """Runs a Schedule with one thread per pipeline rank; stage s runs on
-    `devices[schedule.placement[s]]`. `timeout` bounds every wait for a tensor and every single
-    action (a step in which no rank starts an action for `timeout` s fails as stuck)."""
+    `devices[schedule.placement[s]]`. The settings' `timeout` bounds every wait for a tensor
+    and every single action (a step in which no rank starts an action for `timeout` s fails
+    as stuck)."""
 
-    def __init__(self, devices: Sequence[torch.device], *, timeout: float = 120.0) -> None:
-        super().__init__()
+    def __init__(self, devices: Sequence[torch.device], settings: PipelineSettings) -> None:
         self.devices = list(devices)
-        self.timeout = timeout
+        super().__init__(settings)
+        self.timeout = settings.timeout
         self.coordination = Coordination(
             leads=True, agree=decide_alone, device=self.devices[0], keeps_whole_model=True
         )
@@ -235,8 +237,6 @@ class LocalExecutor(Executor):
                 f"got {len(self.devices)} devices for {schedule.num_ranks} ranks; give one per "
                 "rank"
             )
-        for s, module in enumerate(planned.modules):
-            place(module, self.devices[schedule.placement[s]])
         self.weights_checked = False
         self._build_runtimes()
 
@@ -258,15 +258,13 @@ class LocalExecutor(Executor):
             RankRuntime(
                 rank,
                 schedule,
-                {s: self.runnable(planned.modules[s], schedule.splits_backward)
-                 for s in schedule.stages_of(rank)},
+                {s: self.prepare_stage(planned.modules[s]) for s in schedule.stages_of(rank)},
                 LocalTransport(
                     rank, self.devices, self.mailboxes, self.copy_streams, self.abort,
                     self.timeout, self.compile_timeout,
                 ),
                 device=self.devices[rank],
                 loss_fn=self.loss_fn,
-                activations={s: self.activations[s] for s in schedule.stages_of(rank)},
                 precision=self.precision,
                 abort=self.abort,
                 statistics=statistics,

@@ -47,6 +47,7 @@ from pipeline.execution.grads import (
     is_float,
     parameter_slots,
 )
+from pipeline.execution.passes import PreparedStage
 from pipeline.execution.precision import Precision
 from pipeline.execution.program import (
     LossFn,
@@ -64,18 +65,19 @@ from pipeline.execution.stage_io import (
     check_step_args,
     weighted_loss,
 )
-from pipeline.execution.stage_run import stage_run
 from pipeline.execution.step_state import StepState
-from pipeline.planning.activation_policies import Policy
 from scheduler import Action, Event, Op, Recv, Schedule, Send, forward_only
 
 
 class RankRuntime:
     """Runs one pipeline rank's lowered program over that rank's stage modules.
 
-    `stages` maps stage index -> module for the stages placed on `rank` (StageModule contract:
-    `forward(*inputs) -> tuple`; the last stage returns a 1-tuple holding the model output).
-    Stage modules must already live on `device`; the transport delivers tensors there.
+    `stages` maps stage index -> the stages placed on `rank` as the stage-preparation passes
+    made them (pipeline.execution.passes: what runs each, how a training forward calls it,
+    under which activation policy and autocast), or a plain module run as it is (StageModule
+    contract: `forward(*inputs) -> tuple`; the last stage returns a 1-tuple holding the model
+    output). Stage modules must already live on `device`; the transport delivers tensors
+    there.
 
     `loss_fn(output, target)` is applied by the last stage to each microbatch and multiplied by
     that microbatch's weight (its share of the batch for mean-reduced losses), so summed grads
@@ -87,26 +89,23 @@ class RankRuntime:
     The runtime keeps per-step state (stashed activations, pending weight grads, undelivered
     messages) and checks it is empty at the end of each step.
 
-    `precision` (pipeline.execution.precision): the autocast each stage's forward and its
-    recomputation run under, the fp32 loss, and the loss scale a backward starts from.
-    `saved`: a `partitioner.saved_bytes.SavedBytes` counting the bytes the training
-    forwards keep for their backward (off when None).
-    `activations`: each stage's activation policy (pipeline.execution.activations; "none"
-    when absent). A recomputing stage with a block under ``torch.utils.checkpoint`` (one that
-    does not trace, or a compiled stage) computes its weight grads in B even when the schedule
-    splits backward (its W is then empty), so its blocks are recomputed once.
+    `precision` (pipeline.execution.precision): the fp32 loss and the loss scale a backward
+    starts from. `saved`: a `partitioner.saved_bytes.SavedBytes` counting the bytes the
+    training forwards keep for their backward (off when None). A recomputing stage with a
+    block under ``torch.utils.checkpoint`` (one that does not trace, or a compiled stage)
+    computes its weight grads in B even when the schedule splits backward (its W is then
+    empty), so its blocks are recomputed once.
     """
 
     def __init__(
         self,
         rank: int,
         schedule: Schedule,
-        stages: Mapping[int, nn.Module],
+        stages: Mapping[int, PreparedStage | nn.Module],
         transport: Transport,
         *,
         device: torch.device | str = "cpu",
         loss_fn: LossFn | None = None,
-        activations: Mapping[int, Policy] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
         abort: CancelToken | None = None,
         statistics: Collection[str] = (),
@@ -121,7 +120,6 @@ class RankRuntime:
             )
         self.rank = rank
         self.schedule = schedule
-        self.stages = dict(stages)
         self.transport = transport
         self.device = torch.device(device)
         self.loss_fn = loss_fn
@@ -131,8 +129,7 @@ class RankRuntime:
         self.on_stage_done = on_stage_done
         self.abort = abort
         self.last_stage = schedule.num_stages - 1
-        self._policies = dict(activations or {})
-        self.restage()
+        self.restage(stages)
         self.program = compile_program(schedule, rank)
         self._forward_programs: dict[int, Program] = {}
         self._leaves: dict[int, StepLeaves] = {}  # this training step's leaves per stage
@@ -214,20 +211,16 @@ class RankRuntime:
         finally:
             self._end()
 
-    def restage(self, stages: Mapping[int, nn.Module] | None = None) -> None:
-        """(Re)build how each stage module is run; after its code changed (the other
-        train/eval mode; pipeline.execution.stage_code), with what now runs each stage."""
-        if stages is not None:
-            self.stages = dict(stages)
-        policies = self._policies
-        # How each stage runs in a training forward (precision, then activation policy).
-        self._runs = {
-            s: stage_run(m, device=self.device, precision=self.precision,
-                         policy=policies.get(s, "none"),
-                         restoring=partial(self._recomputing, m),
-                         splits=self.schedule.splits_backward)
-            for s, m in self.stages.items()
+    def restage(self, stages: Mapping[int, PreparedStage | nn.Module]) -> None:
+        """(Re)build how each stage is run from `stages` (prepared anew, e.g. after its code
+        changed to the other train/eval mode; pipeline.execution.stage_code)."""
+        prepared = {s: m if isinstance(m, PreparedStage) else PreparedStage.of(m)
+                    for s, m in stages.items()}
+        self.stages = {s: p.runs for s, p in prepared.items()}
+        self._runs = {  # a training forward
+            s: p.training_forward(partial(self._recomputing, p.runs)) for s, p in prepared.items()
         }
+        self._evaluations = {s: p.forward() for s, p in prepared.items()}  # forward only
         self._slots = {s: parameter_slots(m) for s, m in self.stages.items()}
 
     # -- the interpreter loop ------------------------------------------------------------------
@@ -282,7 +275,6 @@ class RankRuntime:
 
     def _forward(self, action: Action, step: Step, train: bool) -> None:
         stage, mb = action.stage, action.microbatch
-        module = self.stages[stage]
         state = self._state
         inputs = tuple(state.inputs[mb]) if step.reads is None else self._mail.pop(step.reads)
         if train:
@@ -290,7 +282,7 @@ class RankRuntime:
         # The module gets clones of the leaves, as in the unsplit model a stage's first op
         # may work in place on its input (e.g. ReLU(inplace=True)), which a leaf forbids.
         args = tuple(t.clone() if t.requires_grad and t.is_leaf else t for t in inputs)
-        run = self._runs[stage] if train else self.precision.stage(module, self.device)
+        run = self._runs[stage] if train else self._evaluations[stage]
         with self.saved.counting() if train and self.saved is not None else nullcontext():
             outputs = run(*args)
         outputs = check_stage_outputs(outputs, stage, last=step.writes is None)

@@ -377,10 +377,12 @@ def parallelize(
     planned: Decision, held: Mapping[int, fx.GraphModule], mesh: DeviceMesh, degree: int,
     rules: Mapping[str, Any] | None = None,
 ) -> TPPlan:
-    """The tensor-parallel pass for the stages this process holds (`held`): the plan of the
-    captured graph (derived, or from `rules`: a ``tp_plan``), the held parameters sharded in
-    every module that holds them (the model, the capture's modules, every stage module), and
-    each held stage run on the tp `mesh`. Returns the plan."""
+    """The tensor-parallel plan for the stages this process holds (`held`): the plan of the
+    captured graph (derived, or from `rules`: a ``tp_plan``), and the held parameters sharded
+    in every module that holds them (the model, the capture's modules, every stage module;
+    once per load, before the ties are found). Returns the plan; each held stage is then run
+    on the tp `mesh` by the tensor-parallel pass (pipeline.execution.passes.tensor_parallel,
+    `tensor_parallel`)."""
     gm = planned.captured.graph_module
     plan = derive_tp_plan(gm, degree) if rules is None else given_tp_plan(gm, degree, rules)
     _warn_undivided(plan)
@@ -390,6 +392,4 @@ def parallelize(
     holders = [planned.model, gm, planned.captured.unit_module, *planned.modules]
     old = [p for m in held.values() for p in m.parameters()]
     _remember_replaced(shard_parameters(holders, plan, mesh, names, only=mine), old)
-    for module in held.values():
-        tensor_parallel(module, plan, mesh)
     return plan

@@ -1,18 +1,31 @@
-"""The checks `Pipeline(...)` makes on its arguments before anything is built, and the choice
-of executor (local threads, or torch.distributed inside torchrun)."""
+"""`Pipeline(...)`'s arguments checked once into the frozen `PipelineSettings` record
+(pipeline.planning.settings) the planner and the executor are built with, and the choice of
+executor (local threads, or torch.distributed inside torchrun)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeline.execution.compiled import compile_options
 from pipeline.execution.distributed import DistributedExecutor
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.shard import check_shard
 from pipeline.execution.executor import Executor
 from pipeline.execution.local import LocalExecutor, resolve_devices
+from pipeline.execution.precision import make_precision
+from pipeline.execution.timeouts import resolve_compile_timeout, resolve_timeout
+from pipeline.facade.running import check_grad_accumulation
+from pipeline.planning.activation_policies import check_policies
+from pipeline.planning.settings import PipelineSettings
+from pipeline.planning.shapes import check_dims
+from scheduler import Schedule
+
+TP_STYLES = ("colwise", "rowwise", "replicate")
 
 
 def check_int(value: object, what: str, minimum: int, fix: str) -> int:
@@ -24,15 +37,11 @@ def check_int(value: object, what: str, minimum: int, fix: str) -> int:
     return value
 
 
-def check_settings(
-    stages: object,
-    microbatches: object,
-    virtual_stages: object,
-    memory_limit: object,
-    data_parallel: object,
-) -> int:
-    """Check the numeric settings of `Pipeline(...)`; returns the stage count."""
-    checked = check_int(stages, "stages", 1, "give the number of pipeline ranks")
+def _check_layout(stages: object, microbatches: object, virtual_stages: object,
+                  memory_limit: object, data_parallel: object) -> None:
+    """The numeric settings of the layout."""
+    if stages != "auto":
+        check_int(stages, "stages", 1, "give the number of pipeline ranks")
     if microbatches not in (None, "auto"):
         check_int(microbatches, "microbatches", 1, "split each batch into at least 1")
     if virtual_stages not in (None, "auto"):
@@ -47,49 +56,108 @@ def check_settings(
             f"data_parallel={data_parallel} needs the distributed executor: launch with "
             "torchrun (torch.distributed initialised), or drop data_parallel"
         )
-    return checked
 
 
-def executor_for(
-    stages: int,
-    devices: Sequence[str | torch.device] | None,
-    data_parallel: int | None,
-    timeout: float,
-    shard: object = None,
-    agreement: Agreement | None = None,
-    tensor_parallel: int = 1,
-    tp_plan: object = None,
-) -> Executor:
-    """The distributed executor inside torchrun (torch.distributed initialised), else the
-    local one (without `shard`: sharding needs data-parallel replicas; without
-    `tensor_parallel`: one process per tp rank). `agreement`: the distributed Pipeline's
-    setup agreement when its layout was chosen with it already."""
-    shard = check_shard(shard)
-    tensor_parallel = check_int(tensor_parallel, "tensor_parallel", 1,
-                                "give the number of processes sharing each stage's width")
-    if tp_plan is not None and not isinstance(tp_plan, Mapping):
-        raise TypeError(
-            f"tp_plan must be a dict of module path glob -> 'colwise' | 'rowwise' | "
-            f"'replicate', got {tp_plan!r} ({type(tp_plan).__name__})")
-    if tensor_parallel > 1 and not dist.is_initialized():
+def _check_width(stages: object, tensor_parallel: object, tp_plan: object,
+                 sequence_parallel: object) -> int:
+    """The tensor-parallel settings; the tensor-parallel degree."""
+    tp = check_int(tensor_parallel, "tensor_parallel", 1,
+                   "give the processes each stage is sharded over (1: none)")
+    if tp > 1 and not dist.is_initialized():
         raise ValueError(
-            f"tensor_parallel={tensor_parallel} runs each stage's width on {tensor_parallel} "
-            "processes, which needs the distributed executor: launch with torchrun "
-            "(world = data_parallel x stages x tensor_parallel), or drop tensor_parallel"
+            f"tensor_parallel={tp} shards each stage over {tp} processes: tensor parallelism "
+            "needs torchrun (torch.distributed initialised); launch with torchrun (world = "
+            "data_parallel x stages x tensor_parallel), or use tensor_parallel=1"
         )
-    if shard is not None and not dist.is_initialized():
+    if stages == "auto" and tp != 1:
         raise ValueError(
-            f"shard={shard!r} shards state over data-parallel replicas, which needs the "
+            f"stages='auto' does not choose a layout with tensor_parallel={tp} yet; give "
+            "stages (world = data_parallel x stages x tensor_parallel)")
+    if tp_plan is not None:
+        if not isinstance(tp_plan, Mapping) or not all(isinstance(k, str) for k in tp_plan):
+            raise TypeError(f"tp_plan must map module path globs (str) to a style, got "
+                            f"{tp_plan!r}")
+        bad = {k: v for k, v in tp_plan.items() if isinstance(v, str) and v not in TP_STYLES}
+        if bad:
+            raise ValueError(f"tp_plan styles {bad} are not {TP_STYLES} (or a torch "
+                             "ParallelStyle)")
+        if tp == 1:
+            raise ValueError("tp_plan shards modules over the tensor-parallel ranks, but "
+                             "tensor_parallel=1: pass tensor_parallel=N, or drop tp_plan")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel=True shards the regions between tensor-parallel "
+                         "layers along the sequence, but tensor_parallel=1: pass "
+                         "tensor_parallel=N, or drop sequence_parallel")
+    if sequence_parallel:  # refused rather than ignored: the pass shards no sequence yet
+        raise ValueError(f"sequence_parallel=True: the tensor-parallel pass keeps the regions "
+                         f"between tensor-parallel layers whole on each of the {tp} ranks; "
+                         "drop sequence_parallel")
+    return tp
+
+
+def _check_sharing(devices: object, shard: object) -> str | None:
+    """What only one process, or only torchrun, can do."""
+    checked = check_shard(shard)
+    if checked is not None and not dist.is_initialized():
+        raise ValueError(
+            f"shard={checked!r} shards state over data-parallel replicas, which needs the "
             "distributed executor: launch with torchrun (torch.distributed initialised), "
             "or drop shard"
         )
+    if dist.is_initialized() and devices is not None:
+        raise ValueError(
+            f"devices={devices!r} cannot be used under torch.distributed: each process "
+            "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
+        )
+    return checked
+
+
+def check_settings(
+    stages: int | str, *, schedule: str | os.PathLike[str] | Schedule,
+    microbatches: int | str | None, balance: str | Sequence[int],
+    devices: Sequence[str | torch.device] | None, virtual_stages: int | str | None,
+    memory_limit: float | None, checkpoint_activations: object, data_parallel: int | None,
+    timeout: float | None, leaf_modules: tuple[type, ...] | None, rebalance: bool,
+    capture_method: str, mixed_precision: torch.dtype | None, dynamic_dims: Sequence[int],
+    grad_accumulation: str, shard: str | None, reduce_dtype: torch.dtype | None,
+    compile: bool | Mapping[str, Any],  # noqa: A002 - torch.compile's name
+    compile_timeout: float | None, tensor_parallel: int = 1,
+    tp_plan: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
+) -> PipelineSettings:
+    """`Pipeline(...)`'s arguments checked (TypeError / ValueError naming the value and the
+    fix) into the record the planner and the executor are built with."""
+    _check_layout(stages, microbatches, virtual_stages, memory_limit, data_parallel)
+    _check_width(stages, tensor_parallel, tp_plan, sequence_parallel)
+    checked_shard = _check_sharing(devices, shard)
+    make_precision(mixed_precision, reduce_dtype, checked_shard)  # the dtypes checked
+    options = compile_options(compile)
+    resolved = None  # one device per pipeline rank, in one process
+    if isinstance(stages, int) and not dist.is_initialized():
+        resolved = tuple(resolve_devices(devices, stages))
+    return PipelineSettings(
+        stages=stages, schedule=schedule, microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        balance=balance if isinstance(balance, str) else tuple(balance),
+        memory_limit=memory_limit,
+        checkpoint_activations=check_policies(checkpoint_activations, memory_limit),
+        data_parallel=data_parallel, leaf_modules=leaf_modules, rebalance=rebalance,
+        capture_method=capture_method, mixed_precision=mixed_precision,
+        reduce_dtype=reduce_dtype, dynamic_dims=check_dims(dynamic_dims),
+        grad_accumulation=check_grad_accumulation(grad_accumulation), shard=checked_shard,
+        compile=None if options is None else dict(compile) if isinstance(compile, Mapping)
+        else {},
+        tensor_parallel=tensor_parallel, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
+        devices=resolved, timeout=resolve_timeout(timeout),
+        compile_timeout=resolve_compile_timeout(compile_timeout),
+    )
+
+
+def executor_for(settings: PipelineSettings, agreement: Agreement | None = None) -> Executor:
+    """The distributed executor inside torchrun (torch.distributed initialised), else the
+    local one. `agreement`: the distributed Pipeline's setup agreement when its layout was
+    chosen with it already."""
     if dist.is_initialized():
-        if devices is not None:
-            raise ValueError(
-                f"devices={devices!r} cannot be used under torch.distributed: each process "
-                "runs on one device (cuda:LOCAL_RANK with NCCL, else cpu); drop devices"
-            )
-        return DistributedExecutor(stages, data_parallel, timeout=timeout, shard=shard,
-                                   agreement=agreement, tensor_parallel=tensor_parallel,
-                                   tp_plan=tp_plan)
-    return LocalExecutor(resolve_devices(devices, stages), timeout=timeout)
+        return DistributedExecutor(settings, agreement=agreement)
+    return LocalExecutor(settings.devices or resolve_devices(None, settings.ranks), settings)

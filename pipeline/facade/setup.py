@@ -6,10 +6,8 @@ checked against the captured graph (`inputs`)."""
 
 from __future__ import annotations
 
-import functools
 import inspect
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -17,17 +15,17 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from partitioner.capture import call_structure, check_inputs
 from partitioner.exported import flat_inputs
-from pipeline.execution.activations.graph import block_runs
+from pipeline.execution.compiled import CompileStats, compile_options
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import job_agreement, process_device
-from pipeline.execution.executor import Executor
+from pipeline.execution.executor import Executor, planner_hooks
 from pipeline.execution.program import LossFn
 from pipeline.planning.costs import StageCosts
 from pipeline.planning.decision import Coordination, Decision, Surveyed
 from pipeline.planning.layout import LayoutChoice, check_layout_settings, choose_layout
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size, tensor_leaves
 from pipeline.planning.planner import Planner
-from pipeline.planning.settings import pipeline_settings
+from pipeline.planning.settings import PipelineSettings, compared_settings
 from scheduler import Schedule
 
 
@@ -47,40 +45,18 @@ class Setup:
 
     @classmethod
     def agreed(
-        cls, model: nn.Module, executor: Executor, load: Callable[[Decision], None], stages: int,
-        *, schedule: str | os.PathLike[str] | Schedule, microbatches: int | str | None,
-        virtual_stages: int | str | None, balance: str | Sequence[int],
-        leaf_modules: tuple[type, ...] | None, memory_limit: float | None, capture_method: str,
-        loss_fn: LossFn | None, dynamic_dims: Sequence[int] = (),
-        auto_activations: bool = False,
-        surveyed: Surveyed | None = None,
-        profile_up_front: bool = False,
+        cls, model: nn.Module, executor: Executor, load: Callable[[Decision], None],
+        settings: PipelineSettings, *, loss_fn: LossFn | None, surveyed: Surveyed | None = None,
     ) -> Setup:
-        """The planner for these settings, once every process is checked to have built the
-        same Pipeline (under torch.distributed; pipeline.planning.settings). Plans nothing:
-        the decision is made by `plan`."""
+        """The planner for these settings, with the executor's hooks, once every process is
+        checked to have built the same Pipeline (under torch.distributed;
+        pipeline.planning.settings). Plans nothing: the decision is made by `plan`."""
         with executor.setting_up():
-            planner = Planner(
-                model, stages, schedule=schedule, microbatches=microbatches,
-                virtual_stages=virtual_stages, balance=balance, leaf_modules=leaf_modules,
-                memory_limit=memory_limit, capture_method=capture_method,
-                dynamic_dims=dynamic_dims, auto_activations=auto_activations,
-                surveyed=surveyed, profile_up_front=profile_up_front,
-            )
-        if executor.compile is not None:  # the balance sees the compiled units' costs
-            # B and W are timed apart only where a schedule may split the backward (else
-            # the profiled units compile no input-grad graph).
-            built = planner.schedule
-            splits = built is None or built.splits_backward or planner.auto_schedule
-            planner.unit_runner = functools.partial(executor.profiled_unit, splits=splits)
-        planner.block_runs = block_runs  # the policies are priced as the runtime runs them
-        if executor.threads_on_cpu:  # the ranks share this process's interpreter lock
-            planner.price_threads = len(executor.devices)
+            planner = Planner(model, settings, hooks=executor.planner_hooks(), surveyed=surveyed)
         ctx = executor.context
-        executor.coordination.agree("the settings check", settings=pipeline_settings(
-            stages=stages, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
-            schedule=schedule, built=planner.schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, loss_fn=loss_fn, model=model, shard=executor.shard,
+        executor.coordination.agree("the settings check", settings=compared_settings(
+            settings, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
+            built=planner.schedule, loss_fn=loss_fn, model=model,
         ))
         return cls(model, executor, planner, load)
 
@@ -213,21 +189,19 @@ class Setup:
 
 
 def auto_layout(
-    model: nn.Module, example_input: Batch | None, *, timeout: float, schedule: object,
-    microbatches: object, virtual_stages: object, data_parallel: object,
-    memory_limit: float | None, leaf_modules: tuple[type, ...] | None, capture_method: str,
-    dynamic_dims: Sequence[int],
+    model: nn.Module, example_input: Batch | None, settings: PipelineSettings,
 ) -> tuple[LayoutChoice, Agreement]:
     """stages="auto" (pipeline.planning.layout): the layout chosen on this process's device
-    through the Pipeline's setup agreement, made here (the distributed executor takes it)."""
-    check_layout_settings(example_input, schedule=schedule, microbatches=microbatches,
-                          data_parallel=data_parallel)
-    agreement = job_agreement(timeout)
+    through the Pipeline's setup agreement, made here (the distributed executor takes it);
+    under ``compile=`` the units are profiled compiled, as the stages will run them."""
+    check_layout_settings(example_input, schedule=settings.schedule,
+                          microbatches=settings.microbatches, data_parallel=settings.data_parallel)
+    agreement = job_agreement(settings.timeout)
     how = Coordination(leads=agreement.rank == 0, agree=agreement.sync, device=process_device(),
                        keeps_whole_model=False, phase=agreement.phase)
+    options = compile_options(settings.compile) if settings.shard != "full" else None
     choice = choose_layout(
-        model, example_input, how, world_size=agreement.world_size, rank=agreement.rank,
-        schedule=str(schedule), virtual_stages=virtual_stages, memory_limit=memory_limit,
-        leaf_modules=leaf_modules, capture_method=capture_method, dynamic_dims=dynamic_dims,
+        model, example_input, how, settings, world_size=agreement.world_size,
+        rank=agreement.rank, hooks=planner_hooks(options, CompileStats()),
     )
     return choice, agreement

@@ -1,5 +1,5 @@
-"""The activation policies a stage can run under (pipeline.execution.stage_run applies them),
-and the check of the user's
+"""The activation policies a stage can run under (the activation policy pass,
+pipeline.execution.passes.activation_policy, applies them), and the check of the user's
 ``checkpoint_activations=`` value: a policy name, a `Selective` with its own op list, True /
 False, "auto" (the planner chooses per stage under ``memory_limit``,
 pipeline.planning.activation_plan), or one policy per stage.

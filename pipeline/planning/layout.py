@@ -14,8 +14,8 @@ and profile when its first microbatch has the same shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -26,7 +26,8 @@ from partitioner.capture import call_structure
 from pipeline.planning.autoplan import AutoPlan, search
 from pipeline.planning.decision import Coordination, Surveyed
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size
-from pipeline.planning.planner import AUTO, Planner
+from pipeline.planning.planner import AUTO, Planner, PlannerHooks
+from pipeline.planning.settings import PipelineSettings
 from scheduler import SCHEDULES, Schedule
 
 
@@ -103,29 +104,31 @@ def check_layout_settings(
 
 
 def choose_layout(
-    model: nn.Module, example_input: Batch, how: Coordination, *, world_size: int, rank: int,
-    schedule: str, virtual_stages: object, memory_limit: float | None,
-    leaf_modules: tuple[type, ...] | None, capture_method: str, dynamic_dims: Sequence[int] = (),
+    model: nn.Module, example_input: Batch, how: Coordination, settings: PipelineSettings, *,
+    world_size: int, rank: int, hooks: PlannerHooks | None = None,
 ) -> LayoutChoice:
     """The layout for ``stages="auto"`` (see the module docstring), the settings checked by
-    `check_layout_settings` first."""
+    `check_layout_settings` first. `hooks`: the planner's, so the units are profiled as they
+    will run (compiled, under ``compile=``)."""
+    virtual_stages = settings.virtual_stages
     fixed_v = virtual_stages if isinstance(virtual_stages, int) else None
+    schedule = str(settings.schedule)
     ranking = surveyed = None
     if how.leads:
         with how.phase('the choice of stages="auto" (capture and profiling)'):
-            planner = Planner(
-                model, world_size, schedule=schedule, microbatches=None,
-                virtual_stages=fixed_v, balance="profile", leaf_modules=leaf_modules,
-                memory_limit=memory_limit, capture_method=capture_method,
-                dynamic_dims=dynamic_dims,
+            surveying = dataclasses.replace(
+                settings, stages=world_size, schedule=schedule, microbatches=None,
+                virtual_stages=fixed_v, balance="profile",
             )
+            planner = Planner(model, surveying, hooks=hooks)
             leaves, call_spec = tree_flatten(call_structure(example_input))
             surveyed = planner.survey(tuple(leaves), call_spec, how)
             ranking = search(
                 surveyed.captured, world_size=world_size,
                 batch_size=batch_size(example_input, "inputs"),
                 profiled_batch=batch_size(surveyed.example, "inputs"),
-                memory_limit=memory_limit, schedules=None if schedule == AUTO else [schedule],
+                memory_limit=settings.memory_limit,
+                schedules=None if schedule == AUTO else [schedule],
                 virtual_stages=None if fixed_v is None else [fixed_v],
             )
             ranking.best  # noqa: B018 - nothing fits: the ValueError reaches every process

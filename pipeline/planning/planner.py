@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from pipeline.planning.decision import (
 )
 from pipeline.planning.microbatch import Microbatches, batch_size
 from pipeline.planning.replan import Measured, Reason, Replanned, decide
-from pipeline.planning.settings import input_settings, schedule_setting
+from pipeline.planning.settings import PipelineSettings, input_settings, schedule_setting
 from pipeline.planning.shapes import (
     carry_over,
     changed_static_dims,
@@ -64,6 +65,20 @@ from scheduler import SCHEDULES, Schedule, build_schedule, validate
 
 log = logging.getLogger("hybridpipe")
 UnitRunner = Callable[[torch.nn.Module], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class PlannerHooks:
+    """What the executor gives planning so that it measures what will run (the executor's
+    `planner_hooks`): `unit_runner(unit, splits)`, what runs a captured unit when it is
+    profiled (its compiled form under ``compile=``, so the balance, the simulator and "auto"
+    see compiled costs; `splits`: B and W timed apart); `block_runs`, how the runtime runs a
+    block under "full" and "selective" (the policies are priced on that code); `price_threads`,
+    the pipeline ranks this process runs in threads (the prices are timed that many at once)."""
+
+    unit_runner: Callable[[torch.nn.Module, bool], torch.nn.Module] | None = None
+    block_runs: RunsOf | None = None
+    price_threads: int = 1
 
 
 AUTO = "auto"
@@ -164,11 +179,12 @@ def _first_microbatch(args: tuple[Any, ...], count: int) -> tuple[Any, ...]:
 
 
 class Planner:
-    """Plans a `Pipeline`: `ranks` pipeline ranks, `virtual_stages` chunks (stages) per rank,
-    `microbatches` per batch (None: ``min(2 x ranks, batch size)`` of the first batch),
-    `balance` as in `partitioner.partition`. It holds these settings only; each plan is a
-    `Decision`. `surveyed`: the capture stages="auto" profiled (pipeline.planning.layout),
-    reused when the first microbatch has its shapes.
+    """Plans a `Pipeline` with its `settings` (pipeline.planning.settings): `stages` pipeline
+    ranks, `virtual_stages` chunks (stages) per rank, `microbatches` per batch (None: ``min(2 x
+    ranks, batch size)`` of the first batch), `balance` as in `partitioner.partition`; `hooks`:
+    what the executor gives it to measure what will run (`PlannerHooks`). It holds these only;
+    each plan is a `Decision`. `surveyed`: the capture stages="auto" profiled
+    (pipeline.planning.layout), reused when the first microbatch has its shapes.
 
     "auto" for the schedule, the microbatches or the virtual stages lets
     `pipeline.planning.autoplan` choose them by simulation on the first batch (profiled on a
@@ -176,49 +192,31 @@ class Planner:
     the others stay as given. The decision keeps the choice (`Decision.auto`)."""
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        ranks: int,
-        *,
-        schedule: str | os.PathLike[str] | Schedule,
-        microbatches: int | str | None,
-        virtual_stages: int | str | None,
-        balance: str | Sequence[int],
-        leaf_modules: tuple[type, ...] | None,
-        memory_limit: float | None = None,
-        capture_method: str = "auto",
-        dynamic_dims: Sequence[int] = (),
-        auto_activations: bool = False,
-        surveyed: Surveyed | None = None,
-        profile_up_front: bool = False,
+        self, model: torch.nn.Module, settings: PipelineSettings, *,
+        hooks: PlannerHooks | None = None, surveyed: Surveyed | None = None,
     ) -> None:
         self.model = model
+        self.settings = settings
+        self.hooks = hooks if hooks is not None else PlannerHooks()
         self.surveyed = surveyed  # a capture profiled already, reused where it fits
-        self.capture_method = capture_method
-        self.dynamic_dims = check_dims(dynamic_dims)
-        self.ranks = ranks
+        self.capture_method = settings.capture_method
+        self.dynamic_dims = check_dims(settings.dynamic_dims)
+        self.ranks = settings.ranks
+        schedule, microbatches = settings.schedule, settings.microbatches
+        virtual_stages = settings.virtual_stages
         self.auto = AUTO in (schedule, microbatches, virtual_stages)
         self.auto_schedule = schedule == AUTO  # re-synthesised from measured costs later
         self.auto_microbatches = microbatches == AUTO
         self.auto_virtual_stages = virtual_stages == AUTO
-        self.memory_limit = memory_limit
+        self.memory_limit = settings.memory_limit
         # checkpoint_activations="auto": a policy per stage chosen under memory_limit.
-        self.auto_activations = auto_activations
+        self.auto_activations = settings.auto_activations
         # The leader profiles the units at planning whatever the balance (rebalance=True: the
         # re-plan then has every unit's costs from one device, before the model is split).
-        self.profile_up_front = profile_up_front
+        self.profile_up_front = settings.rebalance
         self.virtual_stages = virtual_stages if isinstance(virtual_stages, int) else None
-        self.balance = balance
-        # What runs a unit when it is profiled (set by the facade under compile=: the unit
-        # compiled, so the balance, the simulator and "auto" see compiled costs).
-        self.unit_runner: UnitRunner | None = None
-        # How many pipeline ranks the process runs in threads (the policies' prices are timed
-        # that many at once; set by the facade).
-        self.price_threads = 1
-        # How the runtime runs a block under "full" and "selective" (set by the facade:
-        # pipeline.execution.activations.graph.block_runs), so the prices are of that code.
-        self.block_runs: RunsOf | None = None
-        self.leaf_modules = leaf_modules
+        self.balance = settings.balance
+        self.leaf_modules = settings.leaf_modules
         self.schedule_spec = schedule
         given = microbatches if isinstance(microbatches, int) else None
         custom = _load_custom(schedule)
@@ -234,6 +232,18 @@ class Planner:
         )
         # The microbatches per batch when known before the first batch.
         self.microbatches = given if custom is None else custom.num_microbatches
+
+    @property
+    def unit_runner(self) -> UnitRunner | None:
+        """What runs a unit when it is profiled (`PlannerHooks.unit_runner`), B and W timed
+        apart only where a schedule may split the backward (else the profiled units compile
+        no input-grad graph)."""
+        runner = self.hooks.unit_runner
+        if runner is None:
+            return None
+        built = self.schedule
+        splits = built is None or built.splits_backward or self.auto_schedule
+        return lambda unit: runner(unit, splits)
 
     def _build(self, microbatches: int) -> Schedule:
         return build_schedule(
@@ -371,11 +381,13 @@ class Planner:
     def _price(self, captured: Captured, example: tuple[Any, ...]) -> Captured:
         """`captured` (costed) with each activation policy's price on its units, as the
         runtime runs it."""
-        if self.block_runs is None:
+        hooks = self.hooks
+        if hooks.block_runs is None:
             raise RuntimeError("checkpoint_activations=\"auto\" prices the policies with the "
-                               "runtime's block runners: set Planner.block_runs first")
+                               "runtime's block runners: give the Planner PlannerHooks("
+                               "block_runs=...)")
         prices = price_policies(captured, example, SELECTIVE_SAVE_OPS, SELECTIVE_BUDGET,
-                                self.block_runs, self.price_threads)
+                                hooks.block_runs, hooks.price_threads)
         return captured.with_costs(with_policies(captured.costs, prices))
 
     def _partition(self, captured: Captured, schedule: Schedule, example: tuple[Any, ...],

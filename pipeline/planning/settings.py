@@ -1,20 +1,83 @@
-"""What the processes of a distributed job must share, as comparable text: the settings of
-`Pipeline(...)` (stages, data_parallel, schedule and its text, microbatches, virtual stages,
-loss weighting, a fingerprint of the model's parameter names and shapes) and the structure
-and dtypes of each process's first batch; and the message naming every setting that differs,
-its value on each rank and the fix. The distributed executor compares them at setup
+"""The settings of `Pipeline(...)`: `PipelineSettings`, the one frozen record the planner and
+the executor are built with (checked once, by pipeline.facade.settings), and what the processes
+of a distributed job must share, as comparable text: every field of that record that is not
+this process's own (timeouts, devices), the schedule's text, the loss weighting, a fingerprint
+of the model's parameter names and shapes, and the structure and dtypes of each process's
+first batch; with the message naming every setting that differs, its value on each rank and
+the fix. The distributed executor compares them at setup
 (pipeline.execution.distributed.agreement); nothing here needs torch.distributed."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from scheduler import SCHEDULES, Schedule
+
+_OWN = {"per_process": True}  # a field each process may set for itself: not compared
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Every setting of ``Pipeline(...)`` but the model, the loss and the data (their meaning
+    is in the `Pipeline` docstring), as checked once by pipeline.facade.settings: the planner
+    and the executor are built with it and nothing is assigned into them afterwards. `stages`
+    is "auto" until the layout is chosen (`laid_out`). `compile` is None (eager) or the
+    torch.compile arguments; `tensor_parallel`, `tp_plan` and `sequence_parallel` are the
+    width of each stage (docs/tensor-parallel.md)."""
+
+    stages: int | str
+    schedule: str | os.PathLike[str] | Schedule = "1f1b"
+    microbatches: int | str | None = None
+    virtual_stages: int | str | None = None
+    balance: str | tuple[int, ...] = "profile"
+    memory_limit: float | None = None
+    checkpoint_activations: object = "none"
+    data_parallel: int | None = None
+    leaf_modules: tuple[type, ...] | None = None
+    rebalance: bool = False
+    capture_method: str = "auto"
+    mixed_precision: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    dynamic_dims: tuple[int, ...] = ()
+    grad_accumulation: str = "atomic"
+    shard: str | None = None
+    compile: Mapping[str, Any] | None = None
+    tensor_parallel: int = 1
+    tp_plan: Mapping[str, Any] | None = None
+    sequence_parallel: bool = False
+    devices: tuple[torch.device, ...] | None = field(default=None, metadata=_OWN)
+    timeout: float = field(default=120.0, metadata=_OWN)
+    compile_timeout: float = field(default=1800.0, metadata=_OWN)
+
+    @property
+    def ranks(self) -> int:
+        """The pipeline ranks (`stages` once the layout is chosen)."""
+        if not isinstance(self.stages, int):
+            raise RuntimeError('stages="auto" has no layout yet: use PipelineSettings.laid_out')
+        return self.stages
+
+    @property
+    def auto_activations(self) -> bool:
+        """checkpoint_activations="auto": the planner chooses a policy per stage."""
+        return self.checkpoint_activations == "auto"
+
+    def laid_out(
+        self, *, stages: int, data_parallel: int, schedule: str | Schedule, microbatches: int,
+        virtual_stages: int,
+    ) -> PipelineSettings:
+        """These settings with the layout stages="auto" chose for the world."""
+        return dataclasses.replace(
+            self, stages=stages, data_parallel=data_parallel, schedule=schedule,
+            microbatches=microbatches, virtual_stages=virtual_stages,
+        )
 
 
 @dataclass(frozen=True)
@@ -81,37 +144,53 @@ def model_setting(model: nn.Module) -> Setting:
     return Setting(f"{len(lines)} tensors, {numel:,} values, digest {digest}", lines)
 
 
-def pipeline_settings(
-    *,
-    stages: int,
-    data_parallel: int,
-    schedule: object,
-    built: Schedule | None,
-    microbatches: int | str | None,
-    virtual_stages: int | str | None,
-    loss_fn: object,
-    model: nn.Module,
-    shard: str | None = None,
+def _text(value: object) -> str:
+    """A setting as text that is the same on every process that set the same value (never an
+    object's address)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, Tensor)):
+        return str(value) if isinstance(value, torch.dtype) else repr(value)
+    if isinstance(value, os.PathLike):
+        return repr(os.fspath(value))
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_text(v)}" for k, v in sorted(
+            value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_text(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return repr(value)
+    named = value if isinstance(value, type) or callable(value) else type(value)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
+def compared_settings(
+    settings: PipelineSettings, *, data_parallel: int, built: Schedule | None,
+    loss_fn: object, model: nn.Module,
 ) -> dict[str, Setting | None]:
-    """The settings of `Pipeline(...)` that every process must share. `schedule` is the
-    argument as given, `built` the Schedule when it is known already."""
+    """What every process must share of `settings` (each field but a process's own; the
+    schedule as named, with its text where `built` is known; `data_parallel` as resolved),
+    with the loss weighting and the model's fingerprint."""
+    schedule = settings.schedule
     named = isinstance(schedule, str) and (schedule in SCHEDULES or schedule == "auto")
-    return {
-        "stages": Setting(str(stages)),
+    compared: dict[str, Setting | None] = {
+        "stages": Setting(str(settings.stages)),
         "data_parallel": Setting(str(data_parallel)),
         "schedule": Setting(repr(schedule) if named else "a custom Schedule"),
         "schedule text": None if built is None else schedule_setting(built),
         "microbatches": Setting(
             str(built.num_microbatches) if built is not None
-            else "not given" if microbatches is None else str(microbatches)),
+            else "not given" if settings.microbatches is None else str(settings.microbatches)),
         "virtual_stages": Setting(  # as built where known, so a default equals its value
             str(built.virtual_stages) if built is not None
-            else "default" if virtual_stages is None else str(virtual_stages)),
+            else "default" if settings.virtual_stages is None else str(settings.virtual_stages)),
         "loss weighting": Setting(
             f"{_loss_text(loss_fn)}, each microbatch weighted by its share of the batch"),
         "model parameters": model_setting(model),
-        "shard": Setting(repr(shard)),
+        "shard": Setting(repr(settings.shard)),
     }
+    for f in dataclasses.fields(settings):
+        if f.name not in compared and not f.metadata.get("per_process"):
+            compared[f.name] = Setting(_text(getattr(settings, f.name)))
+    return compared
 
 
 def _structure(value: object) -> str:
@@ -173,6 +252,7 @@ def mismatch_message(what: str, per_rank: Sequence[Settings]) -> str | None:
     names = list(dict.fromkeys(name for settings in per_rank for name in settings))
     parts = []
     for name in names:
+        fix = FIXES.get(name, f"pass the same {name}=... to Pipeline on every process")
         known = {r: v for r, s in enumerate(per_rank) if (v := s.get(name)) is not None}
         groups: dict[str, list[int]] = {}
         for r, setting in known.items():
@@ -183,7 +263,7 @@ def mismatch_message(what: str, per_rank: Sequence[Settings]) -> str | None:
         (ra, *_), (rb, *_) = list(groups.values())[:2]
         diff = _first_difference(known[ra], ra, known[rb], rb)
         parts.append(f"  {name}: {values}{diff}\n"
-                     f"    fix: {FIXES.get(name, 'make it the same on every process')}")
+                     f"    fix: {fix}")
     if not parts:
         return None
     return (f"the processes built their Pipelines with different settings (found at {what}, "

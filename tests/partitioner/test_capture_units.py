@@ -293,6 +293,7 @@ def test_recapture_errors_name_dynamic_dims() -> None:
     from pipeline.planning.decision import Coordination, decide_alone
     from pipeline.planning.microbatch import Microbatches
     from pipeline.planning.planner import Planner
+    from pipeline.planning.settings import PipelineSettings
 
     spec = SPECS["gpt2"]
     x, _ = spec.batch(4, 8)
@@ -304,8 +305,7 @@ def test_recapture_errors_name_dynamic_dims() -> None:
                                          r"with dynamic_dims=\(1,\)"):
         pipe.step(*spec.batch(4, 6))
 
-    planner = Planner(build("gpt2"), 2, schedule="1f1b", microbatches=2, virtual_stages=None,
-                      balance="parameters", leaf_modules=None)
+    planner = Planner(build("gpt2"), PipelineSettings(2, microbatches=2, balance="parameters"))
     leaves, call_spec = tree_flatten(((), x))
     local = Coordination(True, decide_alone, torch.device("cpu"), keeps_whole_model=True)
     decision = planner.plan(tuple(leaves), call_spec, local)

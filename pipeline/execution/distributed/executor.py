@@ -16,8 +16,8 @@ activation moves.
 
 Compiling. With ``compile=`` a process compiles its stages' regions in the first step that
 meets a shape, while its peers wait for it. A call (batch-shape key, step or forward, grad mode)
-not yet run since the stages were last built (`runnable`) may compile on any process of the
-pipeline, and every process knows it from the agreed key: its waits are bounded by the compile
+not yet run since the stages were last prepared (`prepare_stage`) may compile on any process of
+the pipeline, and every process knows it from the agreed key: its waits are bounded by the compile
 allowance (``compile_timeout``) instead of the timeout, and it ends with a barrier of the
 pipeline bounded by the allowance, after which no process compiles and every wait is bounded by
 the timeout again (a rank may compile after its peers ended the step: the backward of an uneven
@@ -36,7 +36,7 @@ copied to the other replicas.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -64,14 +64,16 @@ from pipeline.execution.distributed.shard import Sharding
 from pipeline.execution.distributed.step_agreement import StepAgreement
 from pipeline.execution.distributed.step_end import StepEnd
 from pipeline.execution.distributed.ties import TieSync, find_ties
-from pipeline.execution.executor import Executor, meta_message, place
+from pipeline.execution.executor import Executor, meta_message
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
+from pipeline.execution.passes import PreparedStage
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.execution.tensor_parallel import parallelize
 from pipeline.planning.activation_policies import stage_policies
 from pipeline.planning.decision import Coordination, Decision
+from pipeline.planning.settings import PipelineSettings
 
 
 def _whole(t: Tensor) -> bool:
@@ -92,28 +94,23 @@ class DistributedExecutor(Executor):
 
     def __init__(
         self,
-        stages: int,
-        data_parallel: int | None = None,
+        settings: PipelineSettings,
         *,
-        timeout: float | None = None,
         gather_trace: bool = True,
         bucket_bytes: int | None = None,
         prefetch: int = 2,
-        shard: str | None = None,
         agreement: Agreement | None = None,
-        tensor_parallel: int = 1,
-        tp_plan: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        ctx = DistContext(stages, data_parallel, timeout=timeout, agreement=agreement,
-                          tensor_parallel=tensor_parallel)
-        self.tp_rules = tp_plan
-        self.tp_plan: TPPlan | None = None  # what the tensor-parallel pass applied
+        stages = settings.ranks
+        ctx = DistContext(stages, settings.data_parallel, timeout=settings.timeout,
+                          agreement=agreement, tensor_parallel=settings.tensor_parallel)
         self.context: DistContext = ctx
-        self.sharding = Sharding(shard, ctx)
+        self.devices = [ctx.device] * stages
+        super().__init__(settings)
+        self.tp_plan: TPPlan | None = None  # what the tensor-parallel plan sharded
+        self.sharding = Sharding(settings.shard, ctx)
         self.shard = self.sharding.shard
         self.layout = ctx.layout
-        self.devices = [ctx.device] * stages
         self.coordination = Coordination(
             leads=self.layout.rank == 0, agree=ctx.agreement.sync, device=ctx.device,
             keeps_whole_model=False, phase=ctx.agreement.phase,
@@ -151,13 +148,11 @@ class DistributedExecutor(Executor):
         ):
             yield
 
-    def runnable(self, module: StageModule, splits: bool) -> nn.Module:
+    def prepare_stage(self, module: StageModule) -> PreparedStage:
         self._warm.clear()  # stages built anew compile in their first steps again
-        return super().runnable(module, splits)
+        return super().prepare_stage(module)
 
-    def load(
-        self, planned: Decision, *, loss_fn: LossFn | None, checkpoint_activations: object
-    ) -> None:
+    def load(self, planned: Decision, *, loss_fn: LossFn | None) -> None:
         schedule = planned.schedule
         if schedule.num_stages > MAX_STAGES or schedule.num_microbatches >= MAX_MICROBATCHES:
             raise ValueError(
@@ -171,11 +166,11 @@ class DistributedExecutor(Executor):
                 f"stages={self.layout.stages}; build the schedule for {self.layout.stages} ranks"
             )
         self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
-        if self.layout.tensor_parallel > 1:
-            self._check_tensor_parallel(planned, checkpoint_activations)
-            with self.context.agreement.phase("the tensor-parallel pass"):
+        if self.layout.tensor_parallel > 1:  # the stages' graphs: the tensor-parallel pass
+            self._check_tensor_parallel(planned, self.settings.checkpoint_activations)
+            with self.context.agreement.phase("the tensor-parallel plan"):
                 self.tp_plan = parallelize(planned, self._mine, self.context.tp_mesh,
-                                           self.layout.tensor_parallel, self.tp_rules)
+                                           self.layout.tensor_parallel, self.settings.tp_plan)
         ties = find_ties(planned.model, planned.modules, schedule.placement)
         self.ties = TieSync(self.context, planned.model, ties)
         kept = {id(t) for m in self._mine.values() for t in (*m.parameters(), *m.buffers())}
@@ -185,7 +180,7 @@ class DistributedExecutor(Executor):
                 # its shape for the modules' init, pipeline.execution.materialize).
                 if id(t) not in kept and not t.is_meta:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        super().load(planned, loss_fn=loss_fn, checkpoint_activations=checkpoint_activations)
+        super().load(planned, loss_fn=loss_fn)
 
     def _check_tensor_parallel(self, planned: Decision, checkpoint_activations: object) -> None:
         """What tensor parallelism does not compose with yet: a ValueError naming it and the
@@ -242,13 +237,12 @@ class DistributedExecutor(Executor):
         if self.planned is None:
             return
         with self.context.agreement.phase("building of the executor"):
-            for module in self._mine.values():
-                place(module, self.context.device)
+            prepared = {s: self.prepare_stage(m) for s, m in self._mine.items()}
             self.weights_checked = False
             self.grads = GradSync(
                 self.context,
                 {
-                    s: self.sharding.averaged(self._mine[s].parameters())
+                    s: list(prepared[s].averaged)
                     for s in finish_order(self._schedule, self.layout.pp_rank)
                 },
                 bucket_bytes=self.bucket_bytes,
@@ -259,12 +253,10 @@ class DistributedExecutor(Executor):
             self.runtime = RankRuntime(
                 self.layout.pp_rank,
                 self._schedule,
-                {s: self.runnable(m, self._schedule.splits_backward)
-                 for s, m in self._mine.items()},
+                prepared,
                 self.transport,
                 device=self.context.device,
                 loss_fn=self.loss_fn,
-                activations={s: self.activations[s] for s in self._mine},
                 precision=self.precision,
                 on_stage_done=self.grads.start,
                 statistics=statistics,

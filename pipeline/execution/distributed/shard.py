@@ -17,7 +17,7 @@ shard=...)``), with torch's own parts; `Sharding` is what the distributed execut
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -124,8 +124,9 @@ class FullShard:
 
 
 class Sharding:
-    """The executor's shard mode (`check_shard`), run through these calls: `averaged` (what
-    GradSync all-reduces), `attach` (after each (re)build), `gather` / `reduce` / `release`
+    """The executor's shard mode (`check_shard`), run through these calls (what GradSync
+    all-reduces is the data-parallel pass's, pipeline.execution.passes.data_parallel):
+    `attach` (after each (re)build), `gather` / `reduce` / `release`
     around each step or forward, `forward_grad`, `norm_group` (the group a gradient norm is
     summed over) and `make_optimizer`."""
 
@@ -143,10 +144,6 @@ class Sharding:
         """Whether `p` is a parameter that "full" replaced by a sharded one (and an optimizer
         built before the plan still holds)."""
         return self.full is not None and self.full.stale.get(id(p)) is p
-
-    def averaged(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """The parameters GradSync averages: all, but none under "full" (FSDP2 reduces)."""
-        return [] if self.shard == "full" else list(params)
 
     def attach(
         self, model: nn.Module, stages: Mapping[int, nn.Module], ties: TieSync | None

@@ -13,15 +13,16 @@ from torch.utils._pytree import tree_flatten
 from pipeline.planning.decision import Coordination, Decision, Surveyed, decide_alone
 from pipeline.planning.microbatch import Microbatches
 from pipeline.planning.planner import Planner
+from pipeline.planning.settings import PipelineSettings
 from tests.support.models import make_model, token_batch
 
 HERE = Coordination(True, decide_alone, torch.device("cpu"), keeps_whole_model=True)
 
 
 def _planner(microbatches: int | None = None, surveyed: Surveyed | None = None) -> Planner:
-    return Planner(make_model(), 2, schedule="1f1b", microbatches=microbatches,
-                   virtual_stages=None, balance="profile", leaf_modules=None,
-                   capture_method="fx", surveyed=surveyed)
+    settings = PipelineSettings(2, schedule="1f1b", microbatches=microbatches,
+                                capture_method="fx")
+    return Planner(make_model(), settings, surveyed=surveyed)
 
 
 def _flat(rows: int) -> tuple[tuple[torch.Tensor, ...], object]:
