@@ -2,6 +2,9 @@
 module; or torch.fx), profile it unit by unit, split it into balanced pipeline stages (exact
 min-max over a topological order) and build the stage modules."""
 
+from partitioner import torch_version  # noqa: F401 - first: the running torch is checked
+
+# isort: split
 from partitioner.capture import CaptureError, capture
 from partitioner.captured import Captured
 from partitioner.plan import Plan, partition

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.support import ROOT
 
 PACKAGES = ("pipeline", "partitioner", "scheduler", "viz")
@@ -138,3 +140,28 @@ def test_imports_follow_the_layers() -> None:
 def test_model_code_imports_no_parallelism() -> None:
     graph = import_graph(modules())
     assert graph["pipeline.app.models"] <= {"pipeline.app"}, graph["pipeline.app.models"]
+
+
+
+def test_another_torch_release_is_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """partitioner checks the running torch first when imported (before any of torch's
+    private APIs; pipeline's modules import partitioner before their own): another release
+    than the tested 2.14.x is an ImportError naming the version found and the fix."""
+    import importlib
+
+    import torch
+
+    from partitioner import torch_version
+
+    tree = ast.parse((ROOT / "partitioner" / "__init__.py").read_text())
+    first = next(n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    assert ast.unparse(first) == "from partitioner import torch_version"
+    torch_version.check_torch("2.14.1+cu130")  # the tested release, any patch or build
+    monkeypatch.delenv(torch_version.ALLOW_UNTESTED, raising=False)
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    with pytest.raises(ImportError, match=r"needs torch 2\.14\.x .* torch 2\.15\.0 is "
+                                          r"installed; install it with pip install "
+                                          r"'torch==2\.14\.\*' 'torchvision==0\.29\.\*'"):
+        importlib.reload(torch_version)
+    monkeypatch.setenv(torch_version.ALLOW_UNTESTED, "1")
+    importlib.reload(torch_version)  # allowed: imports

@@ -457,3 +457,43 @@ def test_cuda_compiled_max_autotune(schedule: str) -> None:
     torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+
+@pytest.mark.slow
+def test_auto_stages_survey_profiles_compiled_units(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stages="auto" with compile=: the layout's survey (which the ranking and the plan that
+    reuses it read) times the units compiled, through the artefacts the stages then run. A
+    one-process gloo job, a two-layer MLP."""
+    import torch.distributed as dist
+
+    from pipeline.facade import setup
+
+    surveys: list[tuple[Any, int]] = []
+    choose = setup.choose_layout
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        before = RECORDER.calls
+        chosen = choose(*args, **kwargs)
+        surveys.append((kwargs["hooks"], RECORDER.calls - before))
+        return chosen
+
+    monkeypatch.setattr(setup, "choose_layout", spied)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+        x, y = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
+        pipe = Pipeline(model, stages="auto", loss_fn=F.mse_loss,
+                        compile={"backend": RECORDER}, example_input=x)
+        [(hooks, calls)] = surveys
+        assert hooks.unit_runner is not None and calls > 0  # the survey ran compiled code
+        assert pipe.captured.costs  # the plan reused the surveyed (compiled) costs
+        pipe.step(x, y)
+        stats = _stats(pipe)
+        assert stats.reused > 0 and stats.eager == {}  # the survey's artefacts, reused
+    finally:
+        dist.destroy_process_group()
