@@ -18,11 +18,12 @@ def data_parallel(
     dist = context.dist
     if dist is None:
         return stage.then("data parallel: none (one process)")
-    replicas = dist.layout.data_parallel
+    count = dist.layout.data_parallel
+    replicas = f"{count} replica{'s' if count != 1 else ''}"
     if settings.shard == "full":
-        return stage.then(f"data parallel: FSDP2 over {replicas} replicas (parameters, "
-                          "gradients and optimizer state sharded)", averaged=())
+        return stage.then(f"data parallel: FSDP2 over {replicas} (parameters, gradients and "
+                          "optimizer state sharded)", averaged=())
     params = tuple(stage.module.parameters())
     what = ("gradients averaged, optimizer state sharded (ZeRO-1)"
             if settings.shard == "optimizer" else "gradients averaged")
-    return stage.then(f"data parallel: {replicas} replicas, {what}", averaged=params)
+    return stage.then(f"data parallel: {replicas}, {what}", averaged=params)
