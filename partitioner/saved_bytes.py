@@ -17,6 +17,13 @@ import torch
 from torch import Tensor
 
 
+def storage_key(t: Tensor) -> tuple[Any, ...]:
+    """Which storage `t` views, for counting it once: its device and storage object (not its
+    data pointer, which a fake tensor does not have) and the storage's size."""
+    storage = t.untyped_storage()
+    return (t.device, storage._cdata, storage.nbytes())
+
+
 class _Held:
     """A saved tensor, counted while autograd holds it."""
 
@@ -42,9 +49,8 @@ class SavedBytes:
         """Take the storages of `tensors` as counted elsewhere: saving them adds nothing."""
         with self._lock:
             for t in tensors:
-                storage = t.untyped_storage()
-                key = (t.device, storage.data_ptr(), storage.nbytes())
-                holders, size = self._count.get(key, (0, storage.nbytes()))
+                key = storage_key(t)
+                holders, size = self._count.get(key, (0, key[2]))
                 self._count[key] = (holders + 1, size)
 
     def reset(self) -> None:
@@ -56,10 +62,9 @@ class SavedBytes:
         base = tensor if tensor._base is None else tensor._base
         if base.is_leaf and base.requires_grad:  # a parameter or a view of one (a weight's .t())
             return tensor
-        storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr(), storage.nbytes())
+        key = storage_key(tensor)
         with self._lock:
-            holders, size = self._count.get(key, (0, storage.nbytes()))
+            holders, size = self._count.get(key, (0, key[2]))
             if holders == 0:
                 self.held += size
                 self.peak = max(self.peak, self.held)

@@ -20,7 +20,9 @@ With ``budget=None`` every candidate output the recomputation would use is kept.
 
 The plan names outputs by op and call ordinal inside the block (the 3rd ``aten.addmm``), which
 the forward and its recomputation share; the probe runs on clones of the inputs, draws from a
-forked RNG, and its outputs are dropped."""
+forked RNG, and its outputs are dropped. A block that traces is probed on fake tensors
+(``fake=True``: the same sizes and ops, no memory), so planning it inside a training step does
+not hold its "none" bytes on top of the step's."""
 
 from __future__ import annotations
 
@@ -35,18 +37,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
-from partitioner.saved_bytes import SavedBytes
+from partitioner.saved_bytes import SavedBytes, storage_key
 
 _aten = torch.ops.aten
 # Fused attention on CPU has no formula of its own; its leading (query, key, value)
 # arguments are the GPU kernels'.
 _FLOPS_AS = {_aten._scaled_dot_product_flash_attention_for_cpu:
              _aten._scaled_dot_product_flash_attention}
-
-
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
-    storage = t.untyped_storage()
-    return (t.device, storage.data_ptr(), storage.nbytes())
 
 
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
@@ -88,8 +85,8 @@ class _Probe(TorchDispatchMode):
         if func in self.save:
             nbytes = 0.0
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and _storage_key(t) not in self.seen:
-                    self.seen.add(_storage_key(t))
+                if isinstance(t, torch.Tensor) and storage_key(t) not in self.seen:
+                    self.seen.add(storage_key(t))
                     self.held.append(t)
                     nbytes += t.untyped_storage().nbytes()
             self.calls.append((self.ops, Candidate(func, self.counts[func], nbytes,
@@ -159,9 +156,16 @@ def choose(candidates: Sequence[Candidate], room: float | None) -> list[Candidat
 
 
 def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any],
-              budget: float | None) -> KeepPlan:
+              budget: float | None, *, fake: bool = False) -> KeepPlan:
     """The plan of the block `run` on `values` (see the module docstring): one forward of it,
-    its saved tensors counted."""
+    its saved tensors counted. `fake`: that forward runs on fake tensors (FakeTensorMode: the
+    same shapes, sizes and ops, no memory and no side effects), for a block that traces."""
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values]
+            return keep_plan(run, fakes, save, budget)
     args = probe_inputs(values)
     devices = sorted({a.device.index or 0 for a in args
                       if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
@@ -171,7 +175,7 @@ def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any
 
     def pack(t: torch.Tensor) -> Any:
         last[0] = probe.ops
-        saved.add(_storage_key(t))
+        saved.add(storage_key(t))
         return meter._pack(t)
 
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -180,8 +184,8 @@ def keep_plan(run: Callable[..., Any], values: Sequence[Any], save: Sequence[Any
         none = float(meter.held)
         del out
     inputs: dict[tuple[Any, ...], float] = {
-        _storage_key(a): float(a.untyped_storage().nbytes()) for a in args
-        if isinstance(a, torch.Tensor) and (a.requires_grad or _storage_key(a) in saved)}
+        storage_key(a): float(a.untyped_storage().nbytes()) for a in args
+        if isinstance(a, torch.Tensor) and (a.requires_grad or storage_key(a) in saved)}
     candidates = tuple(Candidate(c.func, c.ordinal, c.nbytes, c.flops, before < last[0])
                        for before, c in probe.calls)
     room = None if budget is None else budget * none - sum(inputs.values())

@@ -74,3 +74,25 @@ def test_llama_layers_keep_at_most_half_of_none() -> None:
     for layer in layers:
         assert layer.kept["full"] < layer.kept["selective"] <= 0.5 * layer.kept["none"]
         assert 0 < layer.recompute_flops["selective"] < 0.5 * layer.recompute_flops["full"]
+
+
+@pytest.mark.parametrize("budget", [0.5, None])
+def test_the_probe_on_fake_tensors_makes_the_same_plan_and_holds_no_memory(
+        budget: float | None) -> None:
+    """fake=True (graph-level recompute's probe, run inside a training step): the same plan
+    as the real forward, from fake tensors only, so the first step's peak is not raised by
+    the block's "none" bytes held for a probe."""
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    real = keep_plan(_BLOCK, [x], SELECTIVE_SAVE_OPS, budget)
+    made: list[torch.Tensor] = []
+
+    def seen(*args: torch.Tensor) -> torch.Tensor:
+        out = _BLOCK(*args)
+        made.append(out)
+        return out
+
+    fake = keep_plan(seen, [x], SELECTIVE_SAVE_OPS, budget, fake=True)
+    assert fake == real and fake.none_bytes > 0
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    assert made and all(isinstance(t, FakeTensor) for t in made)
