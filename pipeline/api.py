@@ -107,8 +107,9 @@ class Pipeline:
     - ``compile_timeout``: with ``compile=``, the seconds a wait may take in a step in which
       a process may be compiling (the first step of each batch shape, and setup), instead of
       ``timeout`` (never less; default $HYBRIDPIPE_COMPILE_TIMEOUT, else 1800).
-    - ``sequence_parallel``: the regions between tensor-parallel layers sharded along the
-      sequence too (a ValueError in this build, which keeps them whole on every tp rank).
+    - ``sequence_parallel``: with ``tensor_parallel``, the norms, dropout and residual adds
+      between the tensor-parallel matmuls run on 1/tp of the tokens each (all-gather and
+      reduce-scatter instead of all-reduce; docs/tensor-parallel.md).
 
     The arguments are checked once into ``pipe.settings`` (a frozen
     pipeline.planning.settings.PipelineSettings); ``pipe.describe()`` shows how each stage

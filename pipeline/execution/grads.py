@@ -31,6 +31,7 @@ from typing import TypeAlias, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 def is_float(t: Tensor) -> bool:
@@ -70,6 +71,7 @@ def accumulate_grads(
     merged: dict[int, tuple[Tensor, Tensor]] = {}
     for p, g in zip(params, grads, strict=True):
         if g is not None:
+            g = laid_out_like(p, g)
             seen = merged.get(id(p))
             merged[id(p)] = (p, g) if seen is None else (p, seen[1] + g)
     pairs = list(merged.values())
@@ -79,6 +81,15 @@ def accumulate_grads(
             p.grad = g if owned else g.detach().clone(memory_format=torch.preserve_format)
     if adds:
         torch._foreach_add_([a for a, _ in adds], [g for _, g in adds])
+
+
+def laid_out_like(p: Tensor, g: Tensor) -> Tensor:
+    """A DTensor gradient in its parameter's placement: under sequence parallelism a
+    replicated weight read by token-sharded activations (a norm's) gets partial sums, reduced
+    here once (Megatron-LM's all-reduce of such gradients)."""
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        return g.redistribute(p.device_mesh, p.placements)
+    return g
 
 
 def running_statistics(model: nn.Module) -> set[str]:

@@ -147,6 +147,36 @@ def summed(t: Any) -> Any:
     return DTensor.from_local(total, mesh, [Replicate()], run_check=False)
 
 
+def _token_dim(t: DTensor) -> int | None:
+    """The dim a token-sharded activation is split along: the sequence (dim 1 of a 3-d
+    activation) or the flattened tokens / batch (dim 0) when tp divides it; None when
+    neither does."""
+    size = t.device_mesh.size()
+    dims = [1, 0] if t.dim() >= 3 else [0] if t.dim() == 2 else []
+    return next((d for d in dims if t.shape[d] % size == 0), None)
+
+
+def gathered(t: Any) -> Any:
+    """Sequence parallelism's "f": a token-sharded activation all-gathered whole before a
+    column-parallel matmul (its gradient reduce-scattered back); a whole one as
+    `whole_grad`."""
+    if not isinstance(t, DTensor) or t.placements == (Replicate(),):
+        return whole_grad(t)
+    return t.redistribute(t.device_mesh, [Replicate()])
+
+
+def scattered(t: Any) -> Any:
+    """Sequence parallelism's "g": a row-parallel matmul's partial sums reduce-scattered over
+    the tokens (each rank then runs the norms, dropout and residual adds on 1/tp of them; the
+    gradient is all-gathered back); `summed` where tp divides no token dim."""
+    if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
+        return t
+    dim = _token_dim(t)
+    if dim is None:
+        return summed(t)
+    return t.redistribute(t.device_mesh, [Shard(dim)])
+
+
 def replicated_like(t: Any, like: DTensor) -> Any:
     """A plain tensor met by a DTensor op, as a Replicate DTensor on `like`'s mesh (a local
     view, no communication; its gradient comes back whole)."""
@@ -219,36 +249,41 @@ def _attribute(module: nn.Module, target: str) -> Any:
     return owner
 
 
-def _column_inputs(module: fx.GraphModule, plan: TPPlan) -> None:
+def _column_inputs(module: fx.GraphModule, plan: TPPlan, sequence_parallel: bool) -> None:
     """Wrap the activation input of every column-parallel matmul in `whole_grad` and the
     output of every row-parallel one in `summed`: Megatron-LM's f and g, so the gradients
     between blocks are whole and each weight's gradient has its weight's placement."""
     graph = module.graph
     params = {n: p for n, p in module.named_parameters(remove_duplicate=False)}
+    wrapped: dict[fx.Node, fx.Node] = {}  # one f per activation (q, k, v share theirs)
     for node in list(graph.nodes):
         found = matmul_of(node, params)
         if found is None:
             continue
         if plan.style(found.weight) == "rowwise":
             with graph.inserting_after(node):
-                out = graph.call_function(summed, (node,))
+                out = graph.call_function(scattered if sequence_parallel else summed, (node,))
             out.meta = dict(node.meta)
             for user in [u for u in node.users if u is not out]:
                 user.replace_input_with(node, out)
             continue
         if plan.style(found.weight) != "colwise":
             continue
-        with graph.inserting_before(node):
-            made = graph.call_function(whole_grad, (found.activation,))
-        made.meta = dict(found.activation.meta)
+        made = wrapped.get(found.activation)
+        if made is None:
+            with graph.inserting_after(found.activation):
+                made = graph.call_function(gathered if sequence_parallel else whole_grad,
+                                           (found.activation,))
+            made.meta = dict(found.activation.meta)
+            wrapped[found.activation] = made
         node.replace_input_with(found.activation, made)
 
 
-def _edit_graph(module: fx.GraphModule, plan: TPPlan) -> None:
+def _edit_graph(module: fx.GraphModule, plan: TPPlan, sequence_parallel: bool) -> None:
     """Drop export's dtype checks, sum a vocab-parallel embedding's rows at once, run
     attention per rank's heads and reduce column-parallel input gradients once."""
     graph = module.graph
-    _column_inputs(module, plan)
+    _column_inputs(module, plan, sequence_parallel)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -317,11 +352,12 @@ class TensorParallelStage:
         return t
 
 
-def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh) -> None:
+def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh,
+                    sequence_parallel: bool = False) -> None:
     """The tensor-parallel pass on one held stage, in place: its graph edited, its forward
     run on the tp `mesh` (a 1-d DeviceMesh). The parameters are sharded by
     `shard_parameters` (once for the model, as stages share tied weights)."""
-    _edit_graph(module, plan)
+    _edit_graph(module, plan, sequence_parallel)
     module.forward = TensorParallelStage(module, mesh)
 
 

@@ -90,10 +90,6 @@ def _check_width(stages: object, tensor_parallel: object, tp_plan: object,
         raise ValueError("sequence_parallel=True shards the regions between tensor-parallel "
                          "layers along the sequence, but tensor_parallel=1: pass "
                          "tensor_parallel=N, or drop sequence_parallel")
-    if sequence_parallel:  # refused rather than ignored: the pass shards no sequence yet
-        raise ValueError(f"sequence_parallel=True: the tensor-parallel pass keeps the regions "
-                         f"between tensor-parallel layers whole on each of the {tp} ranks; "
-                         "drop sequence_parallel")
     return tp
 
 

@@ -26,10 +26,11 @@ def tensor_parallel(
     if not isinstance(module, fx.GraphModule):
         raise TypeError(f"tensor_parallel= shards split stage graphs, got {type(module).__name__}")
     if module.__dict__.get("_tp_graph") is not module.graph:  # new code: edited once
-        run_on_mesh(module, plan, dist.tp_mesh)
+        run_on_mesh(module, plan, dist.tp_mesh, settings.sequence_parallel)
         module.__dict__["_tp_graph"] = module.graph
     params = list(module.parameters())
     sharded = sum(1 for p in params if isinstance(p, DTensor)
                   and not all(q.is_replicate() for q in p.placements))
+    sequence = ", sequence parallel" if settings.sequence_parallel else ""
     return stage.then(f"tensor parallel: {sharded} of {len(params)} parameters sharded over "
-                      f"{settings.tensor_parallel} ranks ({plan.source} plan)")
+                      f"{settings.tensor_parallel} ranks ({plan.source} plan{sequence})")

@@ -8,7 +8,8 @@ gradient norm from `clip_grad_norm_`, in float64 to 1e-9, and `pipe.state_dict()
 model's whole tensors. The collectives of one forward of a
 tp=2 stage are counted with CommDebugMode: one all-reduce per row-parallel matmul (2 per
 transformer block) plus the vocab-parallel embedding's, one all-gather (the LM head's logits),
-no weight gathered.
+no weight gathered; with sequence_parallel=True (Llama at pp=2, GPT-2 under ZB-H1) the same
+exactness, and 2 reduce-scatters and at most 2 all-gathers per block instead.
 
 One launch runs every case. This file is also the worker: ``python <this file> tp OUT_DIR``."""
 
@@ -60,7 +61,7 @@ def _whole(t: Any) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _check(name: str, pp: int, schedule: str) -> Any:
+def _check(name: str, pp: int, schedule: str, sequence_parallel: bool = False) -> Any:
     """Two clipped SGD steps of a tp=2 Pipeline against the unsplit model."""
     import torch.distributed as dist
 
@@ -72,12 +73,12 @@ def _check(name: str, pp: int, schedule: str) -> Any:
     # The plan made at construction: the optimizer takes the sharded parameters.
     pipe = Pipeline(model, stages=pp, schedule=schedule, microbatches=2 * pp, loss_fn=lm_loss,
                     balance="parameters", tensor_parallel=2,
-                    example_input=_batch(0, ROWS)[0])
+                    sequence_parallel=sequence_parallel, example_input=_batch(0, ROWS)[0])
     ctx = pipe.distributed
     assert ctx is not None and ctx.layout.tensor_parallel == 2
     assert ctx.layout.data_parallel == dp
     d = ctx.layout.dp_rank
-    label = f"{name} pp={pp} dp={dp} tp=2 {schedule}"
+    label = f"{name} pp={pp} dp={dp} tp=2 {schedule}{' sp' if sequence_parallel else ''}"
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     want = dict(ref.named_parameters(remove_duplicate=False))
@@ -116,7 +117,8 @@ def _check(name: str, pp: int, schedule: str) -> Any:
     return pipe
 
 
-def _count_collectives(pipe: Any, layers: int, label: str) -> None:
+def _count_collectives(pipe: Any, layers: int, label: str,
+                       sequence_parallel: bool = False) -> None:
     """One forward of the held (whole-model) stage under CommDebugMode."""
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -126,6 +128,13 @@ def _count_collectives(pipe: Any, layers: int, label: str) -> None:
         stage(x["input_ids"])
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     reduces = counts.get("allreduce_", 0) + counts.get("all_reduce", 0)
+    if sequence_parallel:  # 2 reduce-scatters per block, 2 all-gathers (not before the
+        # first block's attention, whose input comes whole from the embedding), the logits'
+        assert counts.get("reduce_scatter_tensor", 0) == 2 * layers, f"{label}: {counts}"
+        assert counts.get("all_gather_into_tensor", 0) <= 2 * layers + 1, f"{label}: {counts}"
+        assert reduces == 1, f"{label}: {counts}"  # the embedding's only
+        print(f"{label}: collectives of one forward {counts}", flush=True)
+        return
     assert reduces == 1 + 2 * layers, f"{label}: {counts}"  # embedding + 2 per block
     assert counts.get("all_gather_into_tensor", 0) == 1, f"{label}: {counts}"  # the logits
     assert set(counts) <= {"allreduce_", "all_reduce", "all_gather_into_tensor"}, counts
@@ -178,6 +187,10 @@ def worker_tp(out: Path) -> None:
             assert plan.style("transformer.h.0.attn.c_proj.weight") == "rowwise", plan
         _count_collectives(pipe, layers, name)
     _stale_optimizer()
+    # Sequence parallelism: norms and residuals on half the tokens each, exact all the same.
+    _check("llama", 2, "1f1b", sequence_parallel=True)
+    pipe = _check("gpt2", 1, "zb-h1", sequence_parallel=True)
+    _count_collectives(pipe, 3, "gpt2 sp", sequence_parallel=True)
     dist.destroy_process_group()
     print("worker tp: every check ran", flush=True)
 
