@@ -1,14 +1,16 @@
 """Benchmark: planning at scale (pipeline.planning.scale), two checks.
 
 1. The local CPU as a target, from its microbenchmarked constants alone (GEMM FLOP/s, copy
-   bandwidth, the tiny-op floor, gloo send latency and bandwidth: no step was fitted),
-   predicts the measured step of a gpt: family model (4 blocks, hidden 256, 8 heads, seq
-   128, vocab 2048, fp32) run by the distributed executor on 2 gloo processes (pp=2, m=8,
-   1 thread each), for each schedule. Measured: rank 0's median `pipe.step` wall time over
+   bandwidth, the tiny-op floor, fused attention's rate, gloo send latency and bandwidth:
+   no step was fitted), predicts the measured step of a llama: family model (4 blocks,
+   hidden 256, 8 heads, 4 kv heads, seq 128, vocab 2048, fp32) run by the distributed
+   executor on 2 gloo processes (pp=2, m=8, 1 thread each), for each schedule. Measured:
+   rank 0's median `pipe.step` wall time over
    BENCH_STEPS steps after 2 warm-up ones, a barrier before each; predicted: the layout's
    step without the optimizer (the benchmark times `pipe.step` only). On a shared machine
-   the wall time also counts waiting for a core, so each rank's CPU time per step (its busy
-   time: a blocked gloo receive sleeps) is compared with the rank's predicted busy time too.
+   the wall time also counts waiting for a core, so each rank's CPU time per step (the
+   main thread's, which runs the stage: its busy time, as a blocked gloo receive sleeps) is
+   compared with the rank's predicted busy time too.
 2. Planning a 1T-parameter GPT (128 layers, hidden 25600, 160 heads, seq 2048) for 3072
    A100s and a batch of 3072: the search's wall time and this process's peak memory.
 
@@ -30,7 +32,7 @@ import torch
 from launch import gather, hand_back
 from report import write_results
 
-SPEC = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=128"
+SPEC = "llama:layers=4,hidden=256,heads=8,kv_heads=4,vocab=2048,seq=128"
 BATCH, P, M = 16, 2, 8
 STEPS = int(os.environ.get("BENCH_STEPS", "8"))
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2}
@@ -58,11 +60,11 @@ def _measure() -> dict[str, Any]:
         times, cpu = [], []
         for step in range(STEPS + 2):
             dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             pipe.step(ids, target)
             if step >= 2:
                 times.append(time.perf_counter() - start)
-                cpu.append(time.process_time() - start_cpu)
+                cpu.append(time.thread_time() - start_cpu)
         busy: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(busy, statistics.median(cpu))
         out[name] = {"step_s": statistics.median(times), "busy_s": busy}
@@ -143,7 +145,8 @@ def main() -> None:
         "CPU target constants, microbenchmarked (no step fitted): GEMM "
         f"{figures['fp32']['gemm'] / 1e9:.1f} GFLOP/s fp32, copy "
         f"{figures['fp32']['bandwidth'] / 1e9:.1f} GB/s, floor "
-        f"{figures['fp32']['floor'] * 1e6:.1f} us, gloo send "
+        f"{figures['fp32']['floor'] * 1e6:.1f} us, attention "
+        f"{figures['fp32']['attention'] / 1e9:.1f} GFLOP/s, gloo send "
         f"{figures['gloo']['p2p_latency'] * 1e6:.0f} us + "
         f"{figures['gloo']['p2p_bandwidth'] / 1e9:.2f} GB/s.", "",
         *rows, "",

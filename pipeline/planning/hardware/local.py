@@ -1,9 +1,9 @@
 """The local CPU as a `Target`, its constants measured by a short microbenchmark (a few
 seconds, once, then cached as JSON): matrix-product FLOP/s, memory bandwidth (a large copy),
-the least an op costs (tiny ops recorded by autograd and their backward, per kernel), and
-gloo between two processes on this host (a small send's latency, a large send's bandwidth,
-a small all-reduce's base). Never fitted to training steps: a step predicted from these
-alone is the check."""
+the least an op costs (tiny ops recorded by autograd and their backward, per kernel), fused
+attention's rate (SDPA forward and backward), and gloo between two processes on this host
+(a small send's latency, a large send's bandwidth, a small all-reduce's base). Never
+fitted to training steps: a step predicted from these alone is the check."""
 
 from __future__ import annotations
 
@@ -41,7 +41,22 @@ def _compute(dtype: torch.dtype) -> dict[str, float]:
     big = torch.empty(8 * 2**20, dtype=torch.float32)  # 32 MiB: past the caches
     out = torch.empty_like(big)
     bandwidth = 2 * big.numel() * 4 / _best(lambda: out.copy_(big))
-    return {"gemm": gemm, "bandwidth": bandwidth, "floor": _floor(dtype)}
+    return {"gemm": gemm, "bandwidth": bandwidth, "floor": _floor(dtype),
+            "attention": _attention(dtype)}
+
+
+def _attention(dtype: torch.dtype) -> float:
+    """FLOP/s of causal fused attention, forward and backward (SDPA on 2 x 8 heads x 128
+    tokens x 32; flop_counter's count: 4 b h s^2 d forward, 2.5 times that backward)."""
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 8, 128, 32, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.backward(torch.ones_like(out))
+
+    return 3.5 * 4 * 2 * 8 * 128**2 * 32 / _best(step)
 
 
 def _floor(dtype: torch.dtype, ops: int = 16) -> float:
@@ -105,7 +120,7 @@ def measure() -> dict[str, Any]:
 
 def _cache_file() -> Path:
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridpipe")
-    return root / f"local-target-v2-{platform.node()}-{torch.__version__}.json"
+    return root / f"local-target-v3-{platform.node()}-{torch.__version__}.json"
 
 
 def measured(refresh: bool = False) -> dict[str, Any]:
@@ -142,7 +157,7 @@ def target_from(figures: dict[str, Any], processes: int = 2) -> Target:
         memory_bandwidth=f32["bandwidth"],
         memory_capacity=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         gemm_efficiency=1.0,
-        attention_efficiency=1.0,
+        attention_efficiency=f32["attention"] / f32["gemm"],
         memory_efficiency=1.0,
         kernel_floor=f32["floor"],
         network=net,

@@ -102,7 +102,7 @@ def test_bad_inputs_name_the_fix() -> None:
 def test_local_target_is_built_from_measured_figures_only() -> None:
     figures = {
         "fp64": {"gemm": 4e10, "bandwidth": 8e9, "floor": 2e-6},
-        "fp32": {"gemm": 1.6e11, "bandwidth": 1.2e10, "floor": 3e-6},
+        "fp32": {"gemm": 1.6e11, "bandwidth": 1.2e10, "floor": 3e-6, "attention": 8e10},
         "gloo": {"p2p_latency": 5e-5, "p2p_bandwidth": 2e9, "allreduce_small": 1.5e-4},
         "cpus": 2,
     }
@@ -110,5 +110,6 @@ def test_local_target_is_built_from_measured_figures_only() -> None:
     assert cpu.peak("fp64") == 4e10 and cpu.peak("fp32") == 1.6e11
     assert cpu.memory_bandwidth == 1.2e10 and cpu.kernel_floor == 3e-6
     assert cpu.gemm_efficiency == cpu.memory_efficiency == 1.0
+    assert cpu.attention_efficiency == 0.5  # measured attention rate over the GEMM's
     assert cpu.network.intra_step_latency == 5e-5
     assert cpu.network.base_latency == pytest.approx(1.5e-4 - 2 * 5e-5)
