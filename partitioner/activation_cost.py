@@ -7,8 +7,9 @@ partition is a sum over its units:
   inputs) and "selective" (its inputs and the outputs the rule of `selective_keep`
   chooses), run as the runtime runs them (the runs given to `price_policies`) and counted
   with `saved_bytes.SavedBytes` as the runtime does; `kept_later`, the same in a stage after
-  the first, whose runtime makes every float input need grad (a rotary table received from
-  the stage before, say). A value an earlier block read too counts with that block only;
+  the first, whose runtime makes every input a gradient reaches (`split.needs_grad`) need
+  grad, those made from the model's floating inputs too (a rotary table made from buffers
+  needs none). A value an earlier block read too counts with that block only;
   `shared_reads` names such values and their bytes, which a later stage receives, and
   keeps, once;
 - `added` ("full", "selective"): the time a forward and backward under each takes beyond a
@@ -45,21 +46,23 @@ from partitioner.blocks import BlockChain, block_key
 from partitioner.captured import Captured
 from partitioner.sandbox import sandbox
 from partitioner.saved_bytes import SavedBytes
+from partitioner.split import needs_grad
 from partitioner.unit_costs import PolicyCosts
 
 _TRIALS = 3
 _JOIN_TIMEOUT = 300.0  # seconds one timed block step may take in a pricing thread
 
 
-def _leaves(values: Sequence[Any], every_float: bool = False) -> list[Any]:
-    """Fresh inputs for one measurement: a tensor that needs grad (marked so in `values`, or
-    any float one with `every_float`) as the output of an earlier block (not a leaf: a
-    block's inputs are kept, a parameter is not); the rest as they are (a rotary table
-    computed from buffers needs none, so the ops using it save less)."""
+def _leaves(values: Sequence[Any], marks: Sequence[bool] | None = None) -> list[Any]:
+    """Fresh inputs for one measurement: a tensor that needs grad (marked so in `values`, or,
+    given `marks`, where it marks a floating one) as the output of an earlier block (not a
+    leaf: a block's inputs are kept, a parameter is not); the rest as they are (a rotary
+    table computed from buffers needs none, so the ops using it save less)."""
     return [v.detach().requires_grad_().clone()
-            if isinstance(v, torch.Tensor) and (v.requires_grad or every_float
-                                                and v.is_floating_point()) else v
-            for v in values]
+            if isinstance(v, torch.Tensor) and (
+                v.requires_grad if marks is None else marks[i] and v.is_floating_point())
+            else v
+            for i, v in enumerate(values)]
 
 
 def _marked(value: Any) -> Any:
@@ -70,12 +73,12 @@ def _marked(value: Any) -> Any:
     return value
 
 
-def _kept(run: Callable[..., Any], values: Sequence[Any], every_float: bool,
+def _kept(run: Callable[..., Any], values: Sequence[Any], marks: Sequence[bool] | None,
           shared: Sequence[bool]) -> float:
     """Bytes `run` keeps for its backward, not counting the inputs marked `shared` (read by an
     earlier block too: a stage keeps such a value once, e.g. a rotary table)."""
     meter = SavedBytes()
-    args = _leaves(values, every_float)
+    args = _leaves(values, marks)
     meter.ignore([a for a, s in zip(args, shared, strict=True)
                   if s and isinstance(a, torch.Tensor)])
     with torch.enable_grad(), meter.counting():
@@ -182,6 +185,7 @@ def price_policies(
     gm, unit_of, order = captured.graph_module, captured.unit_of, captured.order
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
     chain = BlockChain(gm)
+    flowing = needs_grad(captured)
     save = list(save_ops)
     bandwidth = copy_bandwidth(device) if device.type != "cpu" else None
     none_kept = dict.fromkeys(_POLICIES, 0.0)
@@ -201,8 +205,9 @@ def price_policies(
             runs: dict[str, Callable[..., Any]] = {"none": module, **recomputing}
             shared = [n in read for n in block.inputs]
             read.update(block.inputs)
-            later = {p: _kept(run, args, True, shared) for p, run in runs.items()}
-            kept = {p: _kept(run, args, False, shared) for p, run in runs.items()}
+            marks = [n in flowing for n in block.inputs]  # as a later stage receives them
+            later = {p: _kept(run, args, marks, shared) for p, run in runs.items()}
+            kept = {p: _kept(run, args, None, shared) for p, run in runs.items()}
             got = figures()  # of the last calls: the first stage's ones
             first = next((n.name for n in module.graph.nodes
                           if n.name in unit_of and block_key(n) is not None),

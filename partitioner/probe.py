@@ -39,15 +39,19 @@ class Probe:
 def probe(
     run: Callable[[Any, Any, Any], Any], target: Any, args: Any, kwargs: Any, *,
     weights: list[Tensor], is_param: Callable[[Tensor], bool], key: Callable[[Tensor], Hashable],
+    needs: Any = None,
 ) -> Probe:
-    """Run ``run(target, args, kwargs)`` with grad on fresh leaves of its floating inputs.
-    `weights`: the unit's own trainable parameters; `is_param` tells a parameter (a weight,
-    not an activation, and not counted as saved); `key` identifies a saved tensor (saved
-    twice, counted once)."""
+    """Run ``run(target, args, kwargs)`` with grad on fresh leaves of its floating inputs
+    (with `needs`, a tree of bools of (args, kwargs)'s structure: of those it marks, the
+    others copied as they are). `weights`: the unit's own trainable parameters; `is_param`
+    tells a parameter (a weight, not an activation, and not counted as saved); `key`
+    identifies a saved tensor (saved twice, counted once)."""
     leaves: list[Tensor] = []
     weights = list(weights)
 
-    def as_leaf(t: Any) -> Any:
+    def as_leaf(t: Any, need: Any = True) -> Any:
+        if isinstance(t, Tensor) and t.is_floating_point() and need is not True:
+            return t.clone()
         if isinstance(t, Tensor) and t.is_floating_point():
             leaf = t.detach().requires_grad_()
             # A parameter reaching a function node as an argument (get_attr) is a weight.
@@ -63,7 +67,8 @@ def probe(
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        a, kw = tree_map(as_leaf, (args, kwargs))
+        a, kw = tree_map(as_leaf, (args, kwargs)) if needs is None else tree_map(
+            as_leaf, (args, kwargs), needs)
         out = run(target, a, kw)
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
     return Probe(outs, [torch.ones_like(t) for t in outs], leaves, weights,

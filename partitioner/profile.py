@@ -7,10 +7,13 @@ backward - B. Timing the weight gradient alone would be wrong for a composite no
 several layers): the weights of its inner layers need backprop through the block, so it costs
 nearly the whole backward, while B has already done that walk when W runs.
 
-Each node is run on its real inputs from one pass over the example input, after `warmup` runs
-(the pass itself is the forward's first), `repeats` times or until `BUDGET` seconds have been
-timed (a unit that takes longer is timed once: its noise is small next to it); the median is
-kept. Units of the same ops and shapes (see `signature`) are measured once. Everything happens
+Each node is run on its real inputs from one pass over the example input. Every timing (the
+forward, the whole backward, the input-grad walk) first runs `warmup` times untimed (the pass's
+own run does not count), so no unit, the first one included, pays for a cold start inside its
+figure; then it is timed `repeats` times or until `BUDGET` seconds have been timed (a unit that
+takes longer is timed once: its noise is small next to it), and the median is kept. Units of
+the same ops on inputs of the same shapes (see `signature`) are measured once and share the
+figure, so identical layers cost exactly the same and balance evenly. Everything happens
 in a sandbox (see `sandbox.py`), so the model's parameters, buffers, .training flags and RNG
 state are unchanged afterwards."""
 
@@ -29,7 +32,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from partitioner.captured import Captured
-from partitioner.exported import retarget
+from partitioner.exported import retarget, unit_item
 from partitioner.probe import probe
 from partitioner.sandbox import Sandbox, sandbox
 from partitioner.unit_costs import UnitCosts
@@ -76,11 +79,26 @@ def _fresh(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _as_in_step(value: Any) -> Any:
-    """Floating tensors as a training step passes them (needing grad), so a compiled unit's
-    forward is the code the backward's probe and the stages run (compiled once)."""
-    return tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor)
-                    and t.is_floating_point() else t, value)
+def _marked(value: Any, flags: Any, fresh: bool = False) -> Any:
+    """`value` with the floating tensors a gradient reaches (`flags`, a tree of bools of its
+    structure) as leaves needing grad (`fresh`: non-leaf copies of them, so in-place ops
+    stay legal), the others as they are."""
+    def mark(t: Any, flag: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and flag is True:
+            leaf = t.detach().requires_grad_()
+            return leaf.clone() if fresh else leaf
+        return t
+
+    return tree_map(mark, value, flags)
+
+
+def _flags(value: Any) -> Any:
+    """Per leaf of `value`, whether it is a tensor a gradient reaches."""
+    return tree_map(lambda t: isinstance(t, torch.Tensor) and t.requires_grad, value)
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
 def _describe(value: Any) -> str:
@@ -99,13 +117,33 @@ def signature(unit: nn.Module, inputs: Any) -> str:
     graph values by position and constants as written, each parameter, buffer or submodule
     it reads by class and shapes) and the shapes and dtypes of the inputs it is given. Blocks
     of one class with the same shapes (GPT-2's layers, ALBERT's shared layer at each call)
-    have the same signature, whatever their module paths: `profile` measures one of them."""
-    parts = [_describe(leaf) for leaf in tree_flatten(inputs)[0]]
+    have the same signature, whatever their module paths: `profile` measures one of them.
+    Inputs are named by their flat position among the given leaves, whether a unit receives
+    a value itself (the first unit: the model's input) or as an item of the tuple an earlier
+    unit handed on (`unit_item`, no work of its own): the first of eight identical layers is
+    identical to the others."""
+    leaves = tree_flatten(inputs)[0]
+    parts = [_describe(leaf) for leaf in leaves]
     if not isinstance(unit, fx.GraphModule):
         return "\n".join([_describe(unit), *parts])
+    given = list(inputs[0]) if isinstance(inputs, tuple) and inputs and isinstance(
+        inputs[0], tuple | list) else []
     position: dict[str, str] = {}
-    for i, node in enumerate(unit.graph.nodes):
-        position[node.name] = f"%{i}"
+    held: dict[str, tuple[int, Any]] = {}  # placeholder -> (its first leaf's position, value)
+    first = ops = 0
+    for node in unit.graph.nodes:
+        if node.op == "placeholder":
+            value = given[len(held)] if len(held) < len(given) else None
+            held[node.name] = (first, value)
+            position[node.name] = f"in{first}"
+            first += len(tree_flatten(value)[0])
+            continue
+        item = _item_of(node, held)
+        if item is not None:
+            position[node.name] = f"in{item}"
+            continue
+        position[node.name] = f"%{ops}"
+        ops += 1
         if node.op in ("get_attr", "call_module"):
             what = _describe(unit.get_submodule(str(node.target)) if node.op == "call_module"
                              else _fetch(unit, str(node.target)))
@@ -114,6 +152,20 @@ def signature(unit: nn.Module, inputs: Any) -> str:
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: position[a.name])
         parts.append(f"{node.op} {what} {args}")
     return "\n".join(parts)
+
+
+def _item_of(node: fx.Node, held: dict[str, tuple[int, Any]]) -> int | None:
+    """The flat input position `node` reads when it takes an item of a placeholder's tuple
+    (`unit_item`), else None."""
+    if node.target is not unit_item:
+        return None
+    source, index = node.args
+    if not isinstance(source, fx.Node) or source.name not in held or not isinstance(index, int):
+        return None
+    first, value = held[source.name]
+    if not isinstance(value, tuple | list):
+        return None
+    return first + sum(len(tree_flatten(v)[0]) for v in value[:index])
 
 
 def _fetch(root: nn.Module, target: str) -> Any:
@@ -142,6 +194,7 @@ class _Profiler(fx.Interpreter):
         self.params = {p.data_ptr() for p in gm.parameters()}
         self.results: dict[str, UnitCosts] = {}
         self.first: dict[str, str] = {}  # signature -> the unit measured for it
+        self.flags: dict[str, Any] = {}  # node -> which leaves of its value a gradient reaches
 
     def _median(self, fn: Callable[[], Any], warmup: int | None = None) -> float:
         # Unwatched (no dispatch-mode overhead in the timings): the node's first run, watched,
@@ -155,23 +208,34 @@ class _Profiler(fx.Interpreter):
             return statistics.median(times)
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op in ("placeholder", "output"):
-            return super().run_node(n)
-        if self.only is not None and n.name not in self.only[1]:
-            return self._unmeasured(n)
+        if n.op in ("placeholder", "output") or (
+                self.only is not None and n.name not in self.only[1]):
+            result = super().run_node(n) if n.op in ("placeholder", "output") else (
+                self._unmeasured(n))
+            # The model's floating inputs may need grad, as the stages see them (and, not
+            # measured here, a unit's outputs).
+            self.flags[n.name] = tree_map(
+                lambda t: isinstance(t, torch.Tensor) and t.is_floating_point(), result)
+            return result
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        flags = fx.node.map_arg((n.args, n.kwargs), lambda a: self.flags[a.name])
         run = getattr(self, n.op)
-        with torch.no_grad():
-            result = run(n.target, args, kwargs)
-        key = signature(self.fetch_attr(str(n.target)), (args, kwargs)) if (
-            n.op == "call_module") else None
+        with torch.enable_grad():  # which outputs a gradient reaches, as in a step
+            result = run(n.target, *_marked((args, kwargs), flags, fresh=True))
+        self.flags[n.name] = _flags(result)
+        result = _detached(result)
+        # A compiled unit runs as the stages run it: its inputs needing grad as there.
+        wrapped = self.runner is not None and n.op == "call_module"
+        given = flags if wrapped else None
+        key = signature(self.fetch_attr(str(n.target)), _marked((args, kwargs), flags)
+                        if wrapped else (args, kwargs)) if n.op == "call_module" else None
         first = self.first.get(key) if key is not None else None
         if first is not None:  # an identical block (same ops, shapes) was measured already
             self.results[n.name] = dataclasses.replace(self.results[first], measured_as=first)
         else:
             if key is not None:
                 self.first[key] = n.name
-            self.results[n.name] = self._measure(n, self._timed(n, run), args, kwargs)
+            self.results[n.name] = self._measure(n, self._timed(n, run), args, kwargs, given)
         self.done += 1
         self.progress(self.done, self.total, n.name)
         return result
@@ -207,22 +271,26 @@ class _Profiler(fx.Interpreter):
         unit = self.runner(self.fetch_attr(str(n.target)))
         return lambda _target, args, kwargs: unit(*args, **kwargs)
 
-    def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any) -> UnitCosts:
-        wrapped = self.runner is not None and n.op == "call_module"
-        fresh = _as_in_step if wrapped else _fresh
+    def _measure(self, n: fx.Node, run: Any, args: Any, kwargs: Any, flags: Any) -> UnitCosts:
+        """`flags`: for a compiled unit, which of its inputs need grad (as the stages give
+        them); None for an eager one, whose every floating input is timed as needing grad
+        (so identical layers, the first one too, share one measurement)."""
+        wrapped = flags is not None
         with torch.set_grad_enabled(wrapped):  # see `profile`
+            # Warmed up as every timing is (the pass's first run does not count: it ran
+            # watched, and a unit's first runs pay for allocation and, compiled, compiling).
             forward = self._median(
-                lambda: run(n.target, *fresh((args, kwargs))),
-                max(1, self.warmup) if wrapped else max(0, self.warmup - 1),
-            )
-        return self._backward(n, run, args, kwargs, forward)
+                lambda: run(n.target, *(_marked((args, kwargs), flags) if wrapped
+                                        else _fresh((args, kwargs)))),
+                max(1, self.warmup) if wrapped else self.warmup)
+        return self._backward(n, run, args, kwargs, forward, flags)
 
-    def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any, forward: float
-                  ) -> UnitCosts:
+    def _backward(self, n: fx.Node, run: Any, args: Any, kwargs: Any, forward: float,
+                  flags: Any) -> UnitCosts:
         own = []
         if n.op == "call_module":
             own = [p for p in self.fetch_attr(str(n.target)).parameters() if p.requires_grad]
-        got = probe(run, n.target, args, kwargs, weights=own,
+        got = probe(run, n.target, args, kwargs, weights=own, needs=flags,
                     is_param=lambda t: t.data_ptr() in self.params,
                     key=lambda t: (t.data_ptr(), t.numel()))
         if not got.has_backward:

@@ -31,10 +31,14 @@ from partitioner.plan import Plan
 class StageModule(fx.GraphModule):
     """One pipeline stage. `forward(*inputs)` takes the values named `input_names` and returns
     a tuple of the values named `output_names`; the last stage returns a 1-tuple holding the
-    model's output as the model returns it."""
+    model's output as the model returns it. `input_needs_grad` / `output_needs_grad`: per
+    input / output, whether a gradient can flow through it (`needs_grad`): a value computed
+    from buffers and integers alone (a rotary table) crosses the stage boundary without one."""
 
     input_names: list[str]
     output_names: list[str]
+    input_needs_grad: tuple[bool, ...] = ()
+    output_needs_grad: tuple[bool, ...] = ()
 
     def __init__(
         self,
@@ -55,6 +59,8 @@ class StageModule(fx.GraphModule):
         copied.input_names = list(self.input_names)
         copied.output_names = list(self.output_names)
         copied.index = self.index
+        copied.input_needs_grad = self.input_needs_grad
+        copied.output_needs_grad = self.output_needs_grad
         if hasattr(self, "_out_spec"):
             copied._out_spec = self._out_spec
         return copied
@@ -64,6 +70,54 @@ class StageModule(fx.GraphModule):
         if device is not None:
             retarget(self, device)  # a stage moved to another device creates tensors there
         return super().to(*args, **kwargs)
+
+
+_CONTAINERS = ("tuple", "list", "dict")
+
+
+def needs_grad(captured: Captured) -> frozenset[str]:
+    """The flat graph's values a gradient can flow through: floating tensors computed (through
+    floating values) from a parameter (read as an attribute, or by a module called whole),
+    or from a floating model input (the caller's may need grad). Every parameter counts,
+    frozen or not, so a later unfreezing changes nothing; a value computed from buffers and
+    integers alone (positions, a rotary table) does not, nor does an integer, boolean or
+    size (no gradient crosses those). Conservative: a value that could carry a gradient is
+    in the set."""
+    gm = captured.graph_module
+    values = captured.values
+    params = {id(p) for p in gm.parameters()}
+
+    def floating(name: str) -> bool:
+        value = values.get(name)
+        if value is None or (not value.tensor and value.dtype in _CONTAINERS):
+            return True  # unknown, or a container of values: as its items may
+        if not value.tensor:
+            return False
+        dtype = getattr(torch, value.dtype.removeprefix("torch."), None)
+        return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)
+
+    flowing: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            source = True
+        elif node.op == "get_attr":
+            source = id(_attr(gm, str(node.target))) in params
+        elif node.op == "output":
+            continue
+        else:  # a module called whole (torch.fx) reads its own parameters
+            source = any(a.name in flowing for a in node.all_input_nodes) or (
+                node.op == "call_module" and any(
+                    True for _ in gm.get_submodule(str(node.target)).parameters()))
+        if source and floating(node.name):
+            flowing.add(node.name)
+    return frozenset(flowing)
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _check_plan(captured: Captured, plan: Plan) -> list[int]:
@@ -141,6 +195,7 @@ def split_model(captured: Captured, plan: Plan) -> list[StageModule]:
     p = len(plan.stages)
     stage_modules: list[StageModule] = []
     inputs = list(captured.inputs)
+    flowing = needs_grad(captured)
     for k in range(p):
         crossing = live_at(all_spans, bounds[k + 1]) if k < p - 1 else []
         bad = [s.name for s in crossing if not s.tensor]
@@ -156,6 +211,8 @@ def split_model(captured: Captured, plan: Plan) -> list[StageModule]:
             nodes, members, inputs, outputs, first=k == 0, last=last, structured=structured
         )
         stage = StageModule(gm, new, list(inputs), outputs, k)
+        stage.input_needs_grad = tuple(n in flowing for n in inputs)
+        stage.output_needs_grad = tuple(n in flowing for n in outputs)
         if last is not None and structured:
             stage._out_spec = captured.out_spec
         _add_aliases(stage, captured.aliases)

@@ -21,7 +21,8 @@ class PolicyCosts:
     block carries the block's figures, the others zeros; partitioner.activation_cost):
 
     - `kept`: policy ("none", "full", "selective") -> bytes kept for the backward in the first
-      stage; `kept_later`: the same in a later stage, where the unit's inputs need grad;
+      stage; `kept_later`: the same in a later stage, where the unit's inputs a gradient
+      reaches need grad;
     - `added`: policy ("full", "selective") -> the time a forward and backward under it takes
       beyond a plain one, as a share of the plain one;
     - `recompute_flops`: policy ("full", "selective") -> FLOPs of the matmuls, convolutions

@@ -38,8 +38,11 @@ class Transport(Protocol):
         it arrives (on this rank's device, ready for its compute stream) or a timeout passes;
         then raises an error naming rank, message and timeout.
 
-    F messages hold a stage's outputs; B messages one tensor per floating-point input of the
-    producing stage, in positional order (zeros stand for a missing gradient).
+    F messages hold a stage's outputs; B messages one tensor per input of the producing stage
+    that a gradient crosses (floating-point and marked so by the plan: the stage module's
+    `input_needs_grad`, which is the stage before's `output_needs_grad`), in positional order
+    (zeros stand for a missing gradient). No gradient is computed or sent for the others (a
+    rotary table made from buffers).
     """
 
     def send(self, send: Send, tensors: tuple[Tensor, ...]) -> None: ...

@@ -61,8 +61,10 @@ from pipeline.execution.split_backward import WeightWork, backward_input, backwa
 from pipeline.execution.stage_io import (
     as_leaves,
     backward_roots,
+    check_sent,
     check_stage_outputs,
     check_step_args,
+    needing_grad,
     weighted_loss,
 )
 from pipeline.execution.step_state import StepState
@@ -278,7 +280,8 @@ class RankRuntime:
         state = self._state
         inputs = tuple(state.inputs[mb]) if step.reads is None else self._mail.pop(step.reads)
         if train:
-            inputs = as_leaves(inputs, every_float=step.reads is not None)
+            inputs = as_leaves(inputs, None if step.reads is None
+                               else self._crossing(stage, "input_needs_grad", inputs))
         # The module gets clones of the leaves, as in the unsplit model a stage's first op
         # may work in place on its input (e.g. ReLU(inplace=True)), which a leaf forbids.
         args = tuple(t.clone() if t.requires_grad and t.is_leaf else t for t in inputs)
@@ -298,10 +301,18 @@ class RankRuntime:
             self._stash[(stage, mb)] = (inputs, (loss.reshape(()),))
             return
         if train:
+            check_sent(outputs, self._crossing(stage, "output_needs_grad", outputs), stage)
             self._stash[(stage, mb)] = (inputs, outputs)
             self._mail[step.writes] = tuple(t.detach() for t in outputs)
         else:
             self._mail[step.writes] = outputs
+
+    def _crossing(self, stage: int, which: str, values: Sequence[Any]) -> Sequence[bool]:
+        """Per input or output of `stage` on another stage's side (`which`: the StageModule
+        attribute), whether a gradient crosses it, as the plan found (partitioner.split
+        needs_grad); every value when the module carries no marks (a hand-made stage)."""
+        marks: Sequence[bool] = getattr(self.stages[stage], which, ())
+        return marks if marks else [True] * len(values)
 
     def _recomputing(self, module: nn.Module) -> UpdatedBuffers:
         """For one checkpointed block of `module`: the buffers its recomputation must see as
@@ -320,7 +331,8 @@ class RankRuntime:
         stage, mb = action.stage, action.microbatch
         inputs, outputs = self._stash.pop((stage, mb))
         received = None if step.reads is None else self._mail.pop(step.reads)
-        roots, grads = backward_roots(step.instruction, outputs, received)
+        roots, grads = backward_roots(step.instruction, outputs, received,
+                                      self._crossing(stage, "output_needs_grad", outputs))
         if received is None:  # the loss: its backward starts from the loss scale (fp16)
             grads = [self.precision.seed(roots[0])]
         floats = [t for t in inputs if is_float(t)]
@@ -341,7 +353,10 @@ class RankRuntime:
         else:
             dx, work = backward_input(roots, grads, wanted, params)
         by_id = {id(t): g for t, g in zip(wanted, dx, strict=True)}
-        self._state.deliver_input_grads(step.writes, mb, floats, [by_id.get(id(t)) for t in floats])
+        crossing = floats if step.writes is None else needing_grad(
+            inputs, self._crossing(stage, "input_needs_grad", inputs))
+        self._state.deliver_input_grads(step.writes, mb, crossing,
+                                        [by_id.get(id(t)) for t in crossing])
         if work is not None:
             self._pending_w[(stage, mb)] = work
 

@@ -56,15 +56,39 @@ def check_step_args(
             )
 
 
-def as_leaves(inputs: Sequence[Tensor], *, every_float: bool) -> tuple[Tensor, ...]:
-    """Stage inputs as leaves of this step's graph: every floating-point one (a message from
-    another stage: their .grad is what B sends upstream) or, for the caller's inputs, those
-    that require grad (they get their grads once the step succeeded)."""
+def as_leaves(inputs: Sequence[Tensor], needs: Sequence[bool] | None) -> tuple[Tensor, ...]:
+    """Stage inputs as leaves of this step's graph: for a message from another stage, the
+    floating-point ones a gradient crosses (`needs`, per input, from the plan: their .grad
+    is what B sends upstream); for the caller's inputs (`needs` None), those that require
+    grad (they get their grads once the step succeeded)."""
+    if needs is not None and len(needs) != len(inputs):
+        raise RuntimeError(
+            f"a stage got {len(inputs)} inputs from the stage before but its plan marks "
+            f"{len(needs)}"
+        )
     return tuple(
-        t.detach().requires_grad_(True) if is_float(t) and (every_float or t.requires_grad)
-        else t
-        for t in inputs
+        t.detach().requires_grad_(True)
+        if is_float(t) and (t.requires_grad if needs is None else needs[i]) else t
+        for i, t in enumerate(inputs)
     )
+
+
+def needing_grad(values: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor]:
+    """The floating-point `values` a gradient crosses (`needs` per value, from the plan): what
+    a B message holds, one grad each, in positional order."""
+    return [t for t, need in zip(values, needs, strict=True) if need and is_float(t)]
+
+
+def check_sent(outputs: Sequence[Tensor], needs: Sequence[bool], stage: int) -> None:
+    """A stage's outputs against the plan's marks: one that requires grad where the plan says
+    no gradient crosses it would lose its gradient, so it is an error (not a silent zero)."""
+    wrong = [i for i, t in enumerate(outputs) if t.requires_grad and not needs[i]]
+    if wrong:
+        raise RuntimeError(
+            f"stage {stage}'s outputs {wrong} require grad, but the plan found no gradient "
+            "path to them (computed from buffers and integers alone): a buffer that requires "
+            "grad? Register it as an nn.Parameter"
+        )
 
 
 def check_stage_outputs(outputs: Any, stage: int, *, last: bool) -> tuple[Any, ...]:
@@ -109,17 +133,19 @@ def weighted_loss(
 
 
 def backward_roots(
-    instruction: Instruction, outputs: tuple[Tensor, ...], grads: tuple[Tensor, ...] | None
+    instruction: Instruction, outputs: tuple[Tensor, ...], grads: tuple[Tensor, ...] | None,
+    needs: Sequence[bool],
 ) -> tuple[list[Tensor], list[Tensor | None]]:
     """The tensors a B differentiates and their incoming grads: the loss (grad None) when
-    `grads` is None (the last stage), else the floating-point outputs that require grad."""
+    `grads` is None (the last stage), else the outputs a gradient crosses (`needing_grad`)
+    that require grad."""
     if grads is None:
         return [outputs[0]], [None]
-    floats = [t for t in outputs if is_float(t)]
-    if len(grads) != len(floats):
+    crossing = needing_grad(outputs, needs)
+    if len(grads) != len(crossing):
         raise RuntimeError(
-            f"{instruction} got {len(grads)} output grads for {len(floats)} "
-            "floating-point outputs"
+            f"{instruction} got {len(grads)} output grads for {len(crossing)} "
+            "floating-point outputs a gradient crosses"
         )
-    pairs = [(t, g) for t, g in zip(floats, grads, strict=True) if t.requires_grad]
+    pairs = [(t, g) for t, g in zip(crossing, grads, strict=True) if t.requires_grad]
     return [t for t, _ in pairs], [g for _, g in pairs]

@@ -54,9 +54,10 @@ class StepState:
         floats: Sequence[Tensor],
         grads: Sequence[Tensor | None],
     ) -> None:
-        """A B's grads of its stage's floating-point inputs `floats`: the message `writes`
-        for the stage before (zeros for a missing grad), or on stage 0 (`writes` None) those
-        of the caller's inputs that require grad, applied once the step succeeded."""
+        """A B's grads of its stage's inputs `floats`: the message `writes` for the stage
+        before (the inputs a gradient crosses; zeros for a missing grad), or on stage 0
+        (`writes` None; every floating input) those of the caller's inputs that require grad,
+        applied once the step succeeded."""
         if writes is None:
             if any(t.requires_grad for t in floats):
                 self.result.input_grads[mb] = tuple(

@@ -81,7 +81,7 @@ def priced(costs: Mapping[str, UnitCosts], stages: Sequence[Sequence[str]]
             reads.update(unit[v][1].shared_reads)
         return float(sum(reads.values()))
 
-    def kept(policy: str) -> list[float]:  # every float input of a later stage needs grad
+    def kept(policy: str) -> list[float]:  # a later stage's inputs a gradient reaches need it
         return [float(sum(unit[v][1].kept[policy] for v in s)) if k == 0
                 else float(sum(unit[v][1].kept_later[policy] for v in s)) + shared(s)
                 for k, s in enumerate(stages)]

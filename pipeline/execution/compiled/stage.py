@@ -27,6 +27,8 @@ def compiled_stage(
     driver.input_names = list(stage.input_names)  # type: ignore[assignment]
     driver.output_names = list(stage.output_names)  # type: ignore[assignment]
     driver.index = stage.index  # type: ignore[assignment]
+    driver.input_needs_grad = stage.input_needs_grad  # type: ignore[assignment]
+    driver.output_needs_grad = stage.output_needs_grad  # type: ignore[assignment]
     return driver
 
 

@@ -497,3 +497,25 @@ def test_auto_stages_survey_profiles_compiled_units(
         assert stats.reused > 0 and stats.eager == {}  # the survey's artefacts, reused
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_llama_blocks_compile_once() -> None:
+    """Llama's rotary cos and sin reach stage 1 without grad, as stage 0's blocks get them
+    (no gradient path to them: the plan marks them), so every block of both stages, and the
+    unit the profile timed, runs one artefact (one forward, one backward graph): with cos and
+    sin needing grad in stage 1 the block compiled twice. The step equals the unsplit
+    model's."""
+    spec = SPECS["llama"]
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    x, y = spec.batch(4, 8)
+    pipe = Pipeline(model, 2, microbatches=2, loss_fn=spec.loss_fn, schedule="1f1b",
+                    compile={"backend": RECORDER})
+    check_step(pipe, model, ref, x, y, atol=ATOL)
+    blocks = [r for s in pipe._executor.runtimes for m in s.stages.values()
+              for r in _runners(m) if "layers" in r.name]
+    stages = {r.name.split()[1] for r in blocks}
+    assert len(blocks) == 3 and stages == {"0", "1"}, [r.name for r in blocks]
+    assert len({key for r in blocks for key in r.signatures}) == 1

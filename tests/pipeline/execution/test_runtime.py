@@ -473,3 +473,91 @@ def test_rank_threads_take_the_callers_intra_op_threads() -> None:
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}, seen
+
+
+class _Scaled(nn.Module):
+    """Two linear layers, each output scaled by a table made from a buffer and the positions
+    (as Llama's rotary cos and sin): cut between them, the table crosses with no gradient
+    path to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 8, dtype=torch.float64))
+        self.a = nn.Linear(8, 8, dtype=torch.float64)
+        self.b = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.cos(torch.arange(x.shape[1], dtype=torch.float64)[:, None] * self.freq)
+        return self.b(self.a(x) * table) * table
+
+
+def test_a_table_no_gradient_reaches_crosses_without_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan marks the table no gradient reaches (made from a buffer and the positions)
+    and the hidden value one does; stage 1 takes the table without grad, its B sends back one
+    gradient (the hidden value's), and the step equals the unsplit model's in float64."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, dtype=torch.float64), torch.randn(4, 3, 8, dtype=torch.float64)
+    pipe = Pipeline(model, 2, microbatches=2, loss_fn=F.mse_loss, balance="parameters",
+                    example_input=x)
+    stage = pipe.stage_modules[1]
+    assert sorted(stage.input_needs_grad) == [False, True], stage.input_names
+    assert stage.input_needs_grad == pipe.stage_modules[0].output_needs_grad
+    seen: list[list[bool]] = []
+    stage.register_forward_pre_hook(lambda _, args: seen.append([a.requires_grad for a in args]))
+    sent = _counting_grad_messages(monkeypatch)
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    F.mse_loss(ref(x), y).backward()
+    pipe.step(x, y)
+    assert seen == [list(stage.input_needs_grad)] * 2
+    assert sent == [1, 1]  # the hidden value's gradient, once per microbatch
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=0, msg=name)
+
+
+def _counting_grad_messages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tensors in each gradient message the local transport sends, from now."""
+    sent: list[int] = []
+    send = LocalTransport.send
+
+    def counting(self: LocalTransport, ins: Send, tensors: tuple[torch.Tensor, ...]) -> None:
+        if ins.key[0] is Op.B:
+            sent.append(len(tensors))
+        send(self, ins, tensors)
+
+    monkeypatch.setattr(LocalTransport, "send", counting)
+    return sent
+
+
+@pytest.mark.slow
+def test_values_no_gradient_reaches_cross_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's rotary cos and sin, made in stage 0 from a buffer and the positions, cross to
+    stage 1 as values no gradient reaches (the plan marks them): stage 1 takes them without
+    grad, its B computes and sends back a gradient for the hidden state alone, and the step
+    equals the unsplit model's in float64."""
+    from tests.support.real_models import SPECS, build, check_step
+
+    spec = SPECS["llama"]
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    x, y = spec.batch(4, 8)
+    pipe = Pipeline(model, 2, microbatches=2, loss_fn=spec.loss_fn, balance="parameters",
+                    example_input=x)
+    stage = pipe.stage_modules[1]
+    assert stage.input_needs_grad == pipe.stage_modules[0].output_needs_grad
+    floats = [i for i, n in enumerate(stage.input_names)
+              if pipe.captured.values[n].dtype.startswith("torch.float")]
+    crossing = [i for i in floats if stage.input_needs_grad[i]]
+    assert len(crossing) == 1 and len(floats) >= 3, (floats, stage.input_needs_grad)
+    seen: list[list[bool]] = []
+    stage.register_forward_pre_hook(
+        lambda _, args: seen.append([args[i].requires_grad for i in floats]))
+    sent = _counting_grad_messages(monkeypatch)
+    check_step(pipe, model, ref, x, y, atol=1e-12)
+    assert seen == [[i in crossing for i in floats]] * 2  # one forward per microbatch
+    assert sent == [1, 1]  # the hidden state's gradient, once per microbatch
