@@ -28,6 +28,7 @@ from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import warn_low_precision_parameters
 from pipeline.execution.program import LossFn
+from pipeline.execution.stage_io import check_loss_fn
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
@@ -148,6 +149,7 @@ class Pipeline:
         self.module = model
         self._busy = CallGuard()  # see pipeline.facade.running.one_at_a_time
         self._layouts: AutoPlan | None = None
+        loss_fn = check_loss_fn(loss_fn)  # its signature, before anything is planned
         settings = check_settings(
             stages, schedule=schedule, microbatches=microbatches, balance=balance,
             devices=devices, virtual_stages=virtual_stages, memory_limit=memory_limit,

@@ -4,6 +4,7 @@ incoming gradients of a stage's backward."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ from pipeline.planning.microbatch import check_output
 from scheduler import Instruction
 
 _NEEDS_LOSS_FN = "a training step needs loss_fn; pass loss_fn=... to Pipeline"
+LOSS_SIGNATURE = "loss_fn(output, targets)"
+_LOSS_EXAMPLE = ("e.g. nn.CrossEntropyLoss(), or lambda output, targets: "
+                 "F.cross_entropy(output, targets)")
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
@@ -111,13 +115,63 @@ def check_stage_outputs(outputs: Any, stage: int, *, last: bool) -> tuple[Any, .
     return outputs
 
 
+def check_loss_fn(loss_fn: object) -> LossFn | None:
+    """`loss_fn` (None, or callable as ``loss_fn(output, targets)``); a TypeError naming it
+    and the signature it needs otherwise."""
+    if loss_fn is None:
+        return None
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable as {LOSS_SIGNATURE}, got {_short_repr(loss_fn)} "
+            f"(a {type(loss_fn).__name__}); {_LOSS_EXAMPLE}"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without one: its first call tells
+        return loss_fn
+    try:
+        signature.bind(None, None)
+    except TypeError as err:
+        raise TypeError(
+            f"loss_fn {_name_of(loss_fn)}{signature} cannot be called as {LOSS_SIGNATURE} "
+            f"({err}): the Pipeline calls it with the model's output and the targets of "
+            f"each microbatch; {_LOSS_EXAMPLE}"
+        ) from None
+    return loss_fn
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _loss_error(err: Exception, loss_fn: LossFn, output: Any, target: Any, mb: int
+                ) -> Exception:
+    """`err` (raised by the user's loss_fn) again, of its type where it takes a message, saying
+    which function raised it and how it was called."""
+    message = (
+        f"loss_fn {_name_of(loss_fn)} raised {type(err).__name__} on microbatch {mb}: "
+        f"{str(err).rstrip('.')}. "
+        f"It is called as {LOSS_SIGNATURE} with the model's output ({_described(output)}) "
+        f"and that microbatch's targets ({_described(target)}); {_LOSS_EXAMPLE}"
+    )
+    try:
+        return type(err)(message)
+    except Exception:  # noqa: BLE001 - an exception class that takes other arguments
+        return RuntimeError(message)
+
+
 def weighted_loss(
     loss_fn: LossFn | None, output: Any, target: Any, weight: float, mb: int
 ) -> Tensor:
     """``loss_fn(output, target) * weight`` for microbatch `mb`, checked to be a scalar."""
     if loss_fn is None:
         raise ValueError(_NEEDS_LOSS_FN)
-    raw = loss_fn(output, target)
+    try:
+        raw = loss_fn(output, target)
+    except Exception as err:
+        raise _loss_error(err, loss_fn, output, target, mb) from err
     if not isinstance(raw, Tensor) or raw.numel() != 1:
         got = (
             f"a tensor of shape {tuple(raw.shape)}" if isinstance(raw, Tensor)

@@ -161,11 +161,14 @@ def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...]
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What to capture on: the example microbatch, or two rows of the batch when it has one
-    row, so torch.export keeps the batch dim dynamic (profiling uses the real microbatch)."""
-    if batch_size(example, "inputs") == 1 and batch_size(args, "inputs") >= 2:
+    """What to capture on: the example microbatch, or, when it has one row, two rows of the
+    batch (its one row twice for a batch of one), so torch.export keeps the batch dim dynamic
+    instead of specialising it to 1 with a warning (profiling uses the real microbatch)."""
+    if batch_size(example, "inputs") != 1:
+        return example
+    if batch_size(args, "inputs") >= 2:
         return tuple(a[:2] for a in args)
-    return example
+    return tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) else t, example)
 
 
 def _shapes(values: tuple[Any, ...]) -> tuple[Any, ...]:

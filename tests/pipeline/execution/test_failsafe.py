@@ -260,6 +260,39 @@ def test_loss_fn_returning_not_a_tensor_is_named(value: Any, shown: str) -> None
     assert _pipeline_threads() == []
 
 
+@pytest.mark.parametrize("loss_fn", [lambda out: out.sum(), lambda out, y, scale: out.sum()])
+def test_loss_fn_of_another_signature_is_refused_at_construction(loss_fn: Any) -> None:
+    with pytest.raises(TypeError, match=(
+        r"loss_fn <lambda>\(out.*\) cannot be called as loss_fn\(output, targets\).*"
+        r"model's output and the targets.*nn.CrossEntropyLoss\(\)"
+    )):
+        Pipeline(_model(nn.Identity()), 2, loss_fn=loss_fn)
+    with pytest.raises(TypeError,
+                       match=r"loss_fn must be callable as loss_fn\(output, targets\)"):
+        Pipeline(_model(nn.Identity()), 2, loss_fn="cross_entropy")  # type: ignore[arg-type]
+
+
+def test_error_raised_inside_loss_fn_names_it_and_how_it_is_called() -> None:
+    """The error keeps its type and its message, and says which loss_fn raised it, on which
+    microbatch, with what (the output's and the targets' shapes) and the signature."""
+    model = _model(nn.Identity())
+    x, y = _data()
+
+    def wrong_targets(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out @ target.double()).sum()  # (2, 3) @ (2,): a RuntimeError
+
+    pipe = Pipeline(model, 2, microbatches=4, balance="uniform", loss_fn=wrong_targets)
+    _fill_grads(model)
+    with pytest.raises(RuntimeError, match=(
+        r"loss_fn .*wrong_targets raised RuntimeError on microbatch 0: .*It is called as "
+        r"loss_fn\(output, targets\) with the model's output \(a float\w* tensor of shape "
+        r"\(\d+, \d+\)\) and that microbatch's targets \(a int64 tensor of shape \(\d+,\)\)"
+    )) as caught:
+        pipe.step(x, y)
+    assert caught.value.__cause__ is not None  # the original error, its traceback kept
+    _assert_grads_are_sevens(model)
+
+
 def test_binary_schedule_file_is_named(tmp_path: Path) -> None:
     path = tmp_path / "schedule.png"
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
