@@ -220,8 +220,11 @@ class _Profiler(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         flags = fx.node.map_arg((n.args, n.kwargs), lambda a: self.flags[a.name])
         run = getattr(self, n.op)
-        with torch.enable_grad():  # which outputs a gradient reaches, as in a step
-            result = run(n.target, *_marked((args, kwargs), flags, fresh=True))
+        tracking = self.runner is not None  # compiled units are timed as the stages run them
+        with torch.enable_grad() if tracking else torch.no_grad():
+            # With grad: which outputs a gradient reaches, as in a step.
+            result = run(n.target, *(_marked((args, kwargs), flags, fresh=True) if tracking
+                                     else (args, kwargs)))
         self.flags[n.name] = _flags(result)
         result = _detached(result)
         # A compiled unit runs as the stages run it: its inputs needing grad as there.
