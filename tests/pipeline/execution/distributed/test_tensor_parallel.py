@@ -1,12 +1,11 @@
 """Tensor parallelism inside every pipeline stage, under the distributed executor (4 gloo
 processes launched as torchrun does): Hugging Face GPT-2 (tied embedding / LM head, fused qkv
-split per head)
-and a Llama (grouped-query attention, 4 heads and 2 kv heads, sharded by heads) at
-pp=2 x tp=2 under 1F1B and ZB-H1, and at pp=1 x tp=2 x dp=2: two SGD steps give the unsplit
-model's loss, every gradient (`full_tensor()` of each sharded one) and the whole model's
-gradient norm from `clip_grad_norm_`, in float64 to 1e-9, and `pipe.state_dict()` the unsplit
-model's whole tensors. The collectives of one forward of a
-tp=2 stage are counted with CommDebugMode: one all-reduce per row-parallel matmul (2 per
+split per head) and a Llama (grouped-query attention, 4 heads and 2 kv heads, sharded by
+heads) at pp=2 x tp=2 under 1F1B and ZB-H1 (GPT-2 under interleaved 1F1B too), and at pp=1 x
+tp=2 x dp=2: two SGD steps give the unsplit model's loss, every gradient (`full_tensor()` of
+each sharded one) and the whole model's gradient norm from `clip_grad_norm_`, in float64 to
+1e-9, and `pipe.state_dict()` the unsplit model's whole tensors. The collectives of one forward
+of a tp=2 stage are counted with CommDebugMode: one all-reduce per row-parallel matmul (2 per
 transformer block) plus the vocab-parallel embedding's, one all-gather (the LM head's logits),
 no weight gathered; with sequence_parallel=True (Llama at pp=2, GPT-2 under ZB-H1) the same
 exactness, and 2 reduce-scatters and at most 2 all-gathers per block instead.
@@ -173,6 +172,7 @@ def worker_tp(out: Path) -> None:
     for name in ("llama", "gpt2"):
         for schedule in ("1f1b", "zb-h1"):
             _check(name, 2, schedule)
+    _check("gpt2", 2, "interleaved-1f1b")  # 2 stages per rank, the tied weight on both ranks
     print("worker pp2: every check ran", flush=True)
     for name, layers in (("llama", 2), ("gpt2", 3)):
         pipe = _check(name, 1, "1f1b")
