@@ -215,6 +215,14 @@ def chunked_split(t: Any, size: int, dim: int = 0) -> Any:
     return aten.split.Tensor(t, size, dim)
 
 
+def _holds_tensor(node: fx.Node) -> bool:
+    """Whether `node`'s value is a tensor or holds some (a split's tuple); unknown counts."""
+    val = node.meta.get("val")
+    if val is None or isinstance(val, Tensor):
+        return True
+    return isinstance(val, (list, tuple)) and any(isinstance(v, Tensor) for v in val)
+
+
 def _replicate_plain_operands(module: fx.GraphModule) -> None:
     """Make every plain tensor an op mixes with DTensors a Replicate DTensor in the graph
     (buffers, constants, tensors made inside: rotary tables, masks), so the forward and the
@@ -233,7 +241,8 @@ def _replicate_plain_operands(module: fx.GraphModule) -> None:
             sharded = [i for i in inputs if i in dtensors]
             if not sharded:
                 continue
-            dtensors.add(node)
+            if _holds_tensor(node):  # a size read off a DTensor (sym_size) is an int
+                dtensors.add(node)
             for plain in inputs:
                 if plain not in dtensors and _is_tensor(plain):
                     with graph.inserting_before(node):
