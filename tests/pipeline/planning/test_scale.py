@@ -18,6 +18,7 @@ from pipeline.planning.scale.stages import _block
 from pipeline.planning.scale.transformer import TransformerLM, block, parse_spec
 from pipeline.planning.scale.units import priced_units
 from scheduler import build_schedule, simulate
+from scheduler.simulate import peak_held
 
 A100 = TARGETS["a100-sxm4-80gb"]
 B, S, H, A = 2, 64, 32, 4  # microbatch, sequence, hidden, heads: a s / h = 8
@@ -80,6 +81,47 @@ def test_bubbles_from_priced_flops_are_the_zero_bubble_formulas(name, idle) -> N
     timeline = simulate(build_schedule(name, p, m), [f] * p, [b] * p, [w] * p)
     step = max(e.end for e in timeline.events) - min(e.start for e in timeline.events)
     assert step - m * (f + b + w) == pytest.approx((p - 1) * idle(f, b, w))
+
+
+# DeepSeek-V3 report, Table 2 (and the DualPipe repository's table): F, B, W per chunk with B
+# the full backward (input grad + W), PP stages; 1F1B and ZB1P on PP devices, DualPipeV on PP/2.
+# Chunk costs (F, input grad, W) of comparable size, as a transformer's are (the table's
+# regime); docs/planning-at-scale.md says where dualpipev's idle time leaves the formula.
+_COSTS = [(1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (3.0, 2.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.1, 0.9),
+          (1.0, 1.2, 0.5), (2.0, 2.0, 1.0)]
+
+
+def _bubble_and_peak(name: str, ranks: int, m: int, f: float, b_in: float, w: float
+                     ) -> tuple[float, tuple[float, ...], int]:
+    schedule = build_schedule(name, ranks, m)
+    n = schedule.num_stages
+    timeline = simulate(schedule, [f] * n, [b_in] * n, [w] * n)
+    step = max(e.end for e in timeline.events) - min(e.start for e in timeline.events)
+    chunks = n // ranks
+    return (step - m * chunks * (f + b_in + w), peak_held(schedule, [1.0] * n),
+            max(len(schedule.stages_of(r)) for r in range(ranks)))
+
+
+@pytest.mark.parametrize(("f", "b_in", "w"), _COSTS)
+@pytest.mark.parametrize("pp", [4, 6, 8])
+def test_the_dualpipe_table_as_far_as_a_sequential_rank_runs_it(f, b_in, w, pp) -> None:
+    big_b = b_in + w  # the table's full backward
+    for m in (pp, 2 * pp):
+        bubble, peak, chunks = _bubble_and_peak("1f1b", pp, m, f, b_in, w)
+        assert bubble == pytest.approx((pp - 1) * (f + big_b))
+        assert (max(peak), chunks) == (pp, 1)
+        bubble, peak, chunks = _bubble_and_peak("zb-h1", pp, m, f, b_in, w)
+        assert bubble == pytest.approx((pp - 1) * (f + big_b - 2 * w))
+        assert (max(peak), chunks) == (pp, 1)
+        # DualPipeV: PP stages on PP/2 ranks; parameters 2 chunks, activations PP + 1 per rank.
+        bubble, peak, chunks = _bubble_and_peak("dualpipev", pp // 2, m, f, b_in, w)
+        assert peak == (pp + 1,) * (pp // 2) and chunks == 2
+        # The table's (PP/2-1)(F&B + B - 3W) with F&B = F + B (F and B of a pair one after
+        # the other, as our ranks run them) is (PP/2-1) input-grad Bs over what the
+        # simulated schedule idles: (PP/2-1)(F + B - 2W), ZB1P's bracket on PP/2 ranks.
+        table = (pp // 2 - 1) * ((f + big_b) + big_b - 3 * w)
+        assert bubble == pytest.approx((pp // 2 - 1) * (f + big_b - 2 * w))
+        assert bubble == pytest.approx(table - (pp // 2 - 1) * b_in)
 
 
 def _job(world: int = 16, batch: int = 32) -> Job:
