@@ -21,12 +21,13 @@ from torch.utils.data import Dataset, Sampler
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
 from partitioner.tp_plan import TPPlan
+from pipeline.execution.choose import executor_for
 from pipeline.execution.compiled import CompileStats
-from pipeline.execution.distributed import DistContext
 from pipeline.execution.executor import merge_outputs
 from pipeline.execution.loss_scale import LossScaler, Stepper
 from pipeline.execution.materialize import InitFn
 from pipeline.execution.precision import warn_low_precision_parameters
+from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn
 from pipeline.execution.stage_io import check_loss_fn
 from pipeline.facade.data import replica_sampler
@@ -34,7 +35,7 @@ from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
 from pipeline.facade.modes import Modes
 from pipeline.facade.running import CallGuard, one_at_a_time, run_step
-from pipeline.facade.settings import check_settings, executor_for
+from pipeline.facade.settings import check_settings
 from pipeline.facade.setup import Setup, auto_layout
 from pipeline.facade.state import ModelState
 from pipeline.planning.activation_policies import Selective
@@ -161,9 +162,9 @@ class Pipeline:
             tensor_parallel=tensor_parallel, tp_plan=tp_plan,
             sequence_parallel=sequence_parallel,
         )
-        layout = agreement = None
+        layout = job = None
         if settings.stages == "auto":  # planning's first step: the layout for the world
-            layout, agreement = auto_layout(model, example_input, settings)
+            layout, job = auto_layout(model, example_input, settings)
             self._layouts, example_input = layout.ranking, layout.example
             settings = settings.laid_out(
                 stages=layout.stages, data_parallel=layout.data_parallel,
@@ -175,7 +176,7 @@ class Pipeline:
         self.grad_accumulation = settings.grad_accumulation
         self.checkpoint_activations = settings.checkpoint_activations
         self.timeout = settings.timeout
-        self._executor = executor_for(settings, agreement)
+        self._executor = executor_for(settings, job)
         self.shard = self._executor.shard
         self.devices = self._executor.devices
         warn_low_precision_parameters(model, self._executor.precision.dtype)
@@ -447,9 +448,17 @@ class Pipeline:
         return self._executor.precision.scaler
 
     @property
-    def distributed(self) -> DistContext | None:
-        """The process groups and rank layout under torch.distributed, else None."""
+    def distributed(self) -> Processes | None:
+        """The process groups and rank layout under torch.distributed (the executor's
+        `DistContext`: ``layout``, ``dp_group``, ``pp_group``, ...), else None."""
         return self._executor.context
+
+    @property
+    def processes(self) -> Processes:
+        """The job's processes (this one alone, in one process): ``stages``,
+        ``data_parallel``, ``dp_rank``, ``pp_rank``, ``rank``, ``world_size`` and the
+        collective steps checkpoints take (pipeline.execution.processes)."""
+        return self._executor.processes
 
     def replica_sampler(
         self, data: Dataset[Any] | Sampler[Any], *, shuffle: bool = True, seed: int = 0,
@@ -461,10 +470,10 @@ class Pipeline:
         sized sampler (every replicas-th index). Every pipeline rank of a replica gets the same
         indices; in one process, all of them. Use it as ``DataLoader(data, batch_size,
         sampler=pipe.replica_sampler(data))`` and call ``set_epoch`` each epoch."""
-        ctx = self._executor.context
-        replicas, rank = (1, 0) if ctx is None else (ctx.layout.data_parallel, ctx.layout.dp_rank)
-        return replica_sampler(data, replicas, rank, shuffle=shuffle, seed=seed,
-                               drop_last=drop_last, epoch=epoch, start=start)
+        processes = self._executor.processes
+        return replica_sampler(data, processes.data_parallel, processes.dp_rank,
+                               shuffle=shuffle, seed=seed, drop_last=drop_last, epoch=epoch,
+                               start=start)
 
     @property
     def holds_first_stage(self) -> bool:

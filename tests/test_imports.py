@@ -142,6 +142,22 @@ def test_model_code_imports_no_parallelism() -> None:
     assert graph["pipeline.app.models"] <= {"pipeline.app"}, graph["pipeline.app.models"]
 
 
+def test_the_executor_owns_the_distributed_difference() -> None:
+    """Only execution/ (and the app on top) knows the distributed executor: the facade,
+    checkpoints and elastic training reach it through `Executor` methods and `Processes`."""
+    graph = import_graph(modules())
+    wrong = sorted(
+        f"{module} imports {target}" for module, targets in graph.items()
+        for target in targets
+        if target.startswith("pipeline.execution.distributed")
+        and layer(module) not in ("execution", "app")
+    )
+    assert not wrong, "only execution/ and app/ import execution.distributed:\n" + "\n".join(
+        wrong)
+    named = [path for name, path in modules().items() if layer(name) not in ("execution", "app")
+             and "DistributedExecutor" in path.read_text()]
+    assert not named, f"modules naming the distributed executor outside execution/: {named}"
+
 
 def test_another_torch_release_is_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
     """partitioner checks the running torch first when imported (before any of torch's

@@ -19,18 +19,15 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from pipeline.checkpoint.checksums import ChecksummingWriter, rank_lists, write_rank_checksums
 from pipeline.checkpoint.files import _single_process_quiet, as_disk_full, failure_reason
-from pipeline.execution.distributed import DistContext
+from pipeline.execution.processes import Processes
 
 _WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 _FAILED = "failed-r{rank}.txt"  # a process's failed write, for global rank 0 to see at once
@@ -52,16 +49,17 @@ def _release_groups() -> None:
     non-daemon threads, a write in flight included, have ended): a gloo group left for the
     interpreter's teardown could end the process in std::terminate."""
     for writer in list(_WRITERS):
-        writer._group = None
+        writer._any = None
 
 
 class AsyncWriter:
     """Runs one process's asynchronous saves (`start`) and waits for them (`wait`)."""
 
-    def __init__(self, ctx: DistContext | None, timeout: float) -> None:
-        self._ctx = ctx
+    def __init__(self, processes: Processes, timeout: float) -> None:
+        self._processes = processes
         self.timeout = timeout
-        self._group: dist.ProcessGroup | None = None
+        # Whether any process's save failed (a side channel, made at the first save).
+        self._any: Callable[[bool, float], bool] | None = None
         _WRITERS.add(self)
         self._done: threading.Event | None = None  # set when the save in flight has ended
         self._error: BaseException | None = None
@@ -76,15 +74,12 @@ class AsyncWriter:
         version) or, on failure, `discard`. The caller has waited for the previous save."""
         if self._done is not None:
             raise RuntimeError("a checkpoint save is still in flight; call wait() first")
-        if self._ctx is not None and self._group is None:
-            made = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-            if not isinstance(made, dist.ProcessGroup):
-                raise RuntimeError("this process is not in the checkpoint's process group")
-            self._group = made
+        if self._any is None:
+            self._any = self._processes.side_channel(self.timeout)
         done = threading.Event()
         self._error, self._where = None, (root, need)
 
-        rank, world = (0, 1) if self._ctx is None else (dist.get_rank(), dist.get_world_size())
+        rank, world = self._processes.rank, self._processes.world_size
         storage = ChecksummingWriter(version, rank)
 
         def ended(future: Any) -> None:
@@ -143,16 +138,12 @@ class AsyncWriter:
             )
         self._done = None
         failed = self._error is not None
-        if self._ctx is not None and self._group is not None:
-            # Every process learns whether any failed (global rank 0's switch included).
-            flag = torch.tensor([1.0 if failed else 0.0])
-            work = dist.all_reduce(flag, group=self._group, async_op=True)
-            work.wait(timeout=timedelta(seconds=limit))
-            if flag.item() > 0 and not failed:
-                raise RuntimeError(
-                    "the background checkpoint save failed on another process (its error is "
-                    "raised there); the previous checkpoint stays live"
-                )
+        # Every process learns whether any failed (global rank 0's switch included).
+        if self._any is not None and self._any(failed, limit) and not failed:
+            raise RuntimeError(
+                "the background checkpoint save failed on another process (its error is "
+                "raised there); the previous checkpoint stays live"
+            )
         if self._error is not None:
             err, self._error = self._error, None
             raise as_disk_full(err, *self._where)

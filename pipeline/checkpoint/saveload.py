@@ -10,12 +10,10 @@ import functools
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -65,24 +63,15 @@ from pipeline.checkpoint.optim import (
 from pipeline.checkpoint.parts import merge_parts
 from pipeline.checkpoint.state import (
     TensorSpec,
-    _gather_to_rank0,
+    _processes,
     _short,
     load_state_dict,
     local_state,
 )
-from pipeline.execution.distributed import DistContext, agree
-from pipeline.execution.distributed.optimizers import hyperparameters_loaded, local_optimizer
+from pipeline.execution.processes import Processes, hyperparameters_loaded, local_optimizer
 
 FORMAT = "hybridpipe-checkpoint"
 VERSION = 2
-
-
-def _is_rank0(ctx: DistContext | None) -> bool:
-    return ctx is None or ctx.layout.rank == 0
-
-
-def _agree(value: Any, ctx: DistContext | None) -> Any:
-    return value if ctx is None else agree(value)
 
 
 def _state_to_save(
@@ -118,13 +107,13 @@ def _state_to_save(
 
 
 def _written_here(
-    tensors: dict[str, Tensor], ctx: DistContext | None, optimizer: torch.optim.Optimizer | None
+    tensors: dict[str, Tensor], processes: Processes, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Tensor]:
     """The tensors this process writes, so that none is written twice: replica 0 writes what
     the replicas hold alike (plain tensors; optimizer state unless ZeRO shards it), the other
     replicas only their own shards (DTensor shards, ZeRO's optimizer state). Without DCP's
     collectives nothing else dedupes them (`parts.merge` keeps one copy if some slip by)."""
-    if ctx is None or ctx.layout.dp_rank == 0:
+    if processes.dp_rank == 0:
         return tensors
     zero = optimizer is not None and local_optimizer(optimizer) is not optimizer
     return {k: v for k, v in tensors.items()
@@ -144,7 +133,7 @@ def save_checkpoint(
     path: str | os.PathLike[str],
     stage_modules: Mapping[int, nn.Module],
     spec: Mapping[str, TensorSpec],
-    ctx: DistContext | None = None,
+    processes: Processes | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     model: nn.Module | None = None,
@@ -166,32 +155,31 @@ def save_checkpoint(
         raise ValueError(f"keep must be an int >= 1 (versions kept), got {keep!r}")
     root = _checkpoint_root(path)
     tensors, values, optimizer_info = _state_to_save(stage_modules, spec, optimizer, model)
-    tensors = _written_here(tensors, ctx, optimizer)
+    procs = _processes(processes, stage_modules)
+    tensors = _written_here(tensors, procs, optimizer)
     need = _nbytes(tensors)
-    with ctx.guard("checkpoint save") if ctx is not None else nullcontext():
+    with procs.guard("checkpoint save"):
         if writer is not None:
             writer.wait()  # one save in flight at a time
-        name = _agree(_prepare_version(root) if _is_rank0(ctx) else None, ctx)
-        parts = _gather_to_rank0(values, ctx, replicas=optimizer is not None)
+        leads = procs.rank == 0
+        name = procs.agree(_prepare_version(root) if leads else None)
+        parts = procs.gather(values, replicas=optimizer is not None)
         version = root / name
 
         def discard() -> None:
-            if _is_rank0(ctx):
+            if leads:
                 shutil.rmtree(version, ignore_errors=True)
 
         finish = None
         if parts is not None:  # global rank 0
-            layout = (
-                {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
-                if ctx is not None else {"stages": len(stage_modules), "data_parallel": 1}
-            )
+            layout = {"stages": procs.stages, "data_parallel": procs.data_parallel}
             meta = {
                 "format": FORMAT, "version": VERSION, "checksums": ALGORITHM,
                 "spec": _spec_to_json(spec),
                 "layout": layout, "optimizer": optimizer_info,
                 "values": {k: v for part in parts for k, v in part.items()}, "extra": extra,
             }
-            finish = functools.partial(_go_live, root, name, meta, keep, _world(ctx))
+            finish = functools.partial(_go_live, root, name, meta, keep, procs.world_size)
         try:
             if shutil.disk_usage(root).free < need:
                 raise _disk_full(root, need)
@@ -199,13 +187,11 @@ def save_checkpoint(
                 writer.start(tensors, version, finish=finish, discard=discard, root=root,
                              need=need)
                 return
-            storage = ChecksummingWriter(version, 0 if ctx is None else dist.get_rank())
+            storage = ChecksummingWriter(version, procs.rank)
             with _single_process_quiet():  # each process on its own: no DCP collectives
                 dcp.save(tensors, storage_writer=storage, no_dist=True)
             write_rank_checksums(version, storage.global_rank, storage.sums)
-            if ctx is not None:  # every process's checksums are written before it goes live
-                ready = torch.zeros(1, device=ctx.device)
-                ctx.wait_work(dist.all_reduce(ready, async_op=True), None, "the checksums")
+            procs.barrier("the checksums")  # every process's are written before it goes live
             if finish is not None:
                 finish()
         except BaseException as err:
@@ -213,13 +199,7 @@ def save_checkpoint(
             if _no_space(err):
                 raise _disk_full(root, need) from err
             raise
-        if ctx is not None:
-            done = torch.zeros(1, device=ctx.device)
-            ctx.wait_work(dist.all_reduce(done, async_op=True), None, "the end of the save")
-
-
-def _world(ctx: DistContext | None) -> int:
-    return 1 if ctx is None else dist.get_world_size()
+        procs.barrier("the end of the save")
 
 
 def _spec_to_json(spec: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:

@@ -11,9 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from pipeline.execution.distributed import DistContext, wire
-from pipeline.execution.distributed.dtensors import laid_out_as
 from pipeline.execution.materialize import fill_in_place
+from pipeline.execution.processes import Processes, laid_out_as
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -73,22 +72,11 @@ def check_state_dict(
         )
 
 
-def _gather_to_rank0(
-    part: dict[str, Any], ctx: DistContext | None, *, replicas: bool = False
-) -> list[dict[str, Any]] | None:
-    """Every pipeline rank's `part` (replica 0's; every process's with `replicas`, for state
-    the replicas hold different shares of) on global rank 0, None elsewhere."""
-    if ctx is None:
-        return [part]
-    if replicas and ctx.layout.data_parallel > 1:
-        with ctx.guard("state gather"):
-            return wire.gather_values(part, dst=0)
-    if ctx.layout.dp_rank != 0 or ctx.layout.tp_rank != 0:  # tp ranks hold whole copies now
-        return None
-    if ctx.layout.stages == 1:
-        return [part] if ctx.layout.rank == 0 else None
-    with ctx.guard("state gather"):
-        return wire.gather_values(part, dst=0, group=ctx.pp_group)
+def _processes(processes: Processes | None, held: Mapping[int, nn.Module]) -> Processes:
+    """`processes`, or this one process alone (holding every stage of `held`)."""
+    if processes is not None:
+        return processes
+    return Processes(max(len(held), 1), torch.device("cpu"))
 
 
 def _cpu(t: Tensor) -> Tensor:
@@ -101,12 +89,12 @@ def _cpu(t: Tensor) -> Tensor:
 
 def gather_state_dict(
     stage_modules: Mapping[int, nn.Module], spec: Mapping[str, TensorSpec],
-    ctx: DistContext | None = None,
+    processes: Processes | None = None,
 ) -> dict[str, Tensor] | None:
     """The whole model's state dict (original keys, spec order, CPU copies) on global rank 0
     (and in a single process); None on other ranks. Every process must call it."""
     mine = {k: _cpu(v) for k, v in local_state(stage_modules).items() if k in spec}
-    parts = _gather_to_rank0(mine, ctx)
+    parts = _processes(processes, stage_modules).gather(mine)
     if parts is None:
         return None
     merged: dict[str, Tensor] = {}
@@ -116,11 +104,12 @@ def gather_state_dict(
 
 
 def gather_named(
-    tensors: Mapping[str, Tensor | None], ctx: DistContext | None = None
+    tensors: Mapping[str, Tensor | None], processes: Processes | None = None
 ) -> dict[str, Tensor | None] | None:
     """Merge name -> tensor maps held by the pipeline ranks (replica 0) on global rank 0,
     e.g. ``{k: p.grad for k, p in pipe.named_parameters()}``; None on other ranks."""
-    parts = _gather_to_rank0({k: None if v is None else _cpu(v) for k, v in tensors.items()}, ctx)
+    parts = _processes(processes, {}).gather(
+        {k: None if v is None else _cpu(v) for k, v in tensors.items()})
     if parts is None:
         return None
     merged: dict[str, Tensor | None] = {}

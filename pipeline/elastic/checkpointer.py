@@ -24,11 +24,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pipeline.checkpoint import read_checkpoint
 from pipeline.checkpoint.files import versions
-from pipeline.execution.distributed import wire
 
 if TYPE_CHECKING:
     from pipeline.api import Pipeline
@@ -96,15 +94,13 @@ class Resumed:
 
 
 def _coordinate(pipe: Pipeline) -> tuple[int, int]:
-    ctx = pipe.distributed
-    return (0, 0) if ctx is None else (ctx.layout.dp_rank, ctx.layout.pp_rank)
+    processes = pipe.processes
+    return processes.dp_rank, processes.pp_rank
 
 
 def _layout(pipe: Pipeline) -> dict[str, int]:
-    ctx = pipe.distributed
-    if ctx is None:
-        return {"stages": pipe.stages, "data_parallel": 1}
-    return {"stages": ctx.layout.stages, "data_parallel": ctx.layout.data_parallel}
+    processes = pipe.processes
+    return {"stages": processes.stages, "data_parallel": processes.data_parallel}
 
 
 class Checkpointer:
@@ -157,11 +153,7 @@ class Checkpointer:
 
     def _everywhere(self, ok: bool) -> bool:
         """Whether `ok` holds on every process (under torch.distributed; an all-reduce)."""
-        if self.pipe.distributed is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return bool(self.pipe.processes.minimum(torch.tensor([1 if ok else 0])).item())
 
     def _resumed(self, name: str, extra: Any, started: float) -> Resumed:
         version, meta = read_checkpoint(self.path, name)
@@ -192,9 +184,7 @@ class Checkpointer:
     def save(self, step: int, data: Any = None) -> None:
         """Save now, as after `step` steps, with the data position `data`."""
         mine = (_coordinate(self.pipe), rng_state())
-        gathered: list[Any] | None = [mine]
-        if self.pipe.distributed is not None:
-            gathered = wire.gather_values(mine, dst=0)
+        gathered = self.pipe.processes.gather_all(mine)
         extra = {_TAG: {"step": step, "data": data, "rng": gathered}}
         self.pipe.save_checkpoint(
             self.path, self.optimizer, extra, keep=self.keep, async_save=self.async_save

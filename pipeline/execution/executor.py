@@ -27,8 +27,9 @@ from pipeline.execution.grads import apply_input_grads
 from pipeline.execution.materialize import InitFn, materialize, meta_tensors
 from pipeline.execution.passes import PreparedStage, StageContext, prepare
 from pipeline.execution.precision import make_precision
+from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
-from pipeline.execution.stage_code import StageCode, adopt
+from pipeline.execution.stage_code import StageCode, take_code
 from pipeline.execution.stage_io import weighted_loss
 from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
@@ -98,6 +99,17 @@ class Executor(ABC):
             self._logged[s] = stage.applied
             log.info("hybridpipe: %s", stage.describe())
         return stage
+
+    @property
+    def processes(self) -> Processes:
+        """The job's processes as checkpoints, elastic training and metrics see them (here
+        this one, running every pipeline rank; pipeline.execution.processes)."""
+        return Processes(len(self.devices), self.devices[0])
+
+    @property
+    def rank_devices(self) -> dict[int, torch.device]:
+        """Pipeline rank -> device, for the pipeline ranks this process runs."""
+        return dict(enumerate(self.devices))
 
     @property
     def threads_on_cpu(self) -> bool:
@@ -255,7 +267,7 @@ class Executor(ABC):
         the other train/eval mode): the same modules, parameters and buffers, other code."""
         held = self.held()
         for s, module in held.items():
-            adopt(module, codes[s], self.devices[self._schedule.placement[s]])
+            take_code(module, codes[s], self.devices[self._schedule.placement[s]])
         for runtime in self._runtimes():  # a compiled stage is compiled from the new code
             runtime.restage({s: self.prepare_stage(held[s]) for s in runtime.stages})
 

@@ -1,6 +1,6 @@
 """A stage's code apart from its state: the graph it runs, its boundary names and the captured
 constants the graph reads (`StageCode`). Switching a held stage module to another code
-(`adopt`), e.g. the same stage captured in the other train/eval mode, keeps the module object
+(`take_code`), e.g. the same stage captured in the other train/eval mode, keeps the module object
 with its parameters, buffers, hooks and sharding: only what `forward` does changes."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from partitioner.exported import retarget
 
 @dataclass(frozen=True)
 class StageCode:
-    """What `adopt` sets on a stage module: its graph, input and output names, and the
+    """What `take_code` sets on a stage module: its graph, input and output names, and the
     constants (tensors that are neither parameters nor buffers of the model) it reads."""
 
     graph: fx.Graph
@@ -48,7 +48,7 @@ def _lookup(module: nn.Module, target: str) -> object:
     return getattr(owner, leaf)
 
 
-def adopt(stage: StageModule, code: StageCode, device: torch.device) -> None:
+def take_code(stage: StageModule, code: StageCode, device: torch.device) -> None:
     """Make `stage` run `code` on `device`. ValueError when the code reads a parameter,
     buffer or submodule the stage does not hold (it was cut from another plan)."""
     missing = []

@@ -132,7 +132,7 @@ class MeasuredSteps:
         return Measured(calibration, decision.captured,
                         on_one_device and self.setup.executor.measures_rank_speeds)
 
-    def _replan(self, reason: Reason, threshold: float) -> Rebalance | Resynthesis:
+    def _from_measured(self, reason: Reason, threshold: float) -> Rebalance | Resynthesis:
         """A re-plan for `reason` (`Planner.replan`), adopted by the executor when applied;
         every process calls it at the same step. The old traces describe the old plan."""
         setup = self.setup
@@ -142,20 +142,20 @@ class MeasuredSteps:
         report = new.replanned
         assert report is not None  # a re-plan's decision carries its report
         if report.applied:
-            setup.adopt(new)
+            setup.executor.adopt(new)
             self.measured.clear()
             self.stage_times.clear()
         log.info("hybridpipe: %s", report)
         return report
 
     def rebalance(self, threshold: float = 0.05) -> Rebalance:
-        report = self._replan("rebalance", threshold)
+        report = self._from_measured("rebalance", threshold)
         assert isinstance(report, Rebalance)
         self.rebalanced = report
         return report
 
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
-        report = self._replan("resynthesize", threshold)
+        report = self._from_measured("resynthesize", threshold)
         assert isinstance(report, Resynthesis)
         self.resynthesized = report
         return report

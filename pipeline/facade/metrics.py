@@ -317,12 +317,7 @@ class Metrics:
             rows = batch_size(targets, "targets")
         else:
             rows = batch_size(planned.example, "inputs") * planned.schedule.num_microbatches
-        ctx = executor.context
-        if ctx is None:
-            devices = dict(enumerate(executor.devices))
-            replicas = 1
-        else:
-            devices, replicas = {ctx.layout.pp_rank: ctx.device}, ctx.layout.data_parallel
+        devices, replicas = executor.rank_devices, executor.processes.data_parallel
         dtype = executor.precision.dtype or next(
             (p.dtype for p in planned.model.parameters() if p.is_floating_point()), None)
         return self.record(

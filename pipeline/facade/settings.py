@@ -1,6 +1,6 @@
 """`Pipeline(...)`'s arguments checked once into the frozen `PipelineSettings` record
-(pipeline.planning.settings) the planner and the executor are built with, and the choice of
-executor (local threads, or torch.distributed inside torchrun)."""
+(pipeline.planning.settings) the planner and the executor are built with (the executor itself
+is chosen by pipeline.execution.choose)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,12 @@ import torch
 import torch.distributed as dist
 
 from pipeline.execution.compiled import compile_options
-from pipeline.execution.distributed import DistributedExecutor
-from pipeline.execution.distributed.agreement import Agreement
-from pipeline.execution.distributed.shard import check_shard
-from pipeline.execution.executor import Executor
-from pipeline.execution.local import LocalExecutor, resolve_devices
+from pipeline.execution.local import resolve_devices
 from pipeline.execution.precision import make_precision
 from pipeline.execution.timeouts import resolve_compile_timeout, resolve_timeout
 from pipeline.facade.running import check_grad_accumulation
 from pipeline.planning.activation_policies import check_policies
-from pipeline.planning.settings import PipelineSettings
+from pipeline.planning.settings import PipelineSettings, check_shard
 from pipeline.planning.shapes import check_dims
 from scheduler import Schedule
 
@@ -149,11 +145,3 @@ def check_settings(
         compile_timeout=resolve_compile_timeout(compile_timeout),
     )
 
-
-def executor_for(settings: PipelineSettings, agreement: Agreement | None = None) -> Executor:
-    """The distributed executor inside torchrun (torch.distributed initialised), else the
-    local one. `agreement`: the distributed Pipeline's setup agreement when its layout was
-    chosen with it already."""
-    if dist.is_initialized():
-        return DistributedExecutor(settings, agreement=agreement)
-    return LocalExecutor(settings.devices or resolve_devices(None, settings.ranks), settings)

@@ -15,13 +15,12 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from partitioner.capture import call_structure, check_inputs
 from partitioner.exported import flat_inputs
+from pipeline.execution.choose import Job, job_before_layout
 from pipeline.execution.compiled import CompileStats, compile_options
-from pipeline.execution.distributed.agreement import Agreement
-from pipeline.execution.distributed.context import job_agreement, process_device
 from pipeline.execution.executor import Executor, planner_hooks
 from pipeline.execution.program import LossFn
 from pipeline.planning.costs import StageCosts
-from pipeline.planning.decision import Coordination, Decision, Surveyed
+from pipeline.planning.decision import Decision, Surveyed
 from pipeline.planning.layout import LayoutChoice, check_layout_settings, choose_layout
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size, tensor_leaves
 from pipeline.planning.planner import Planner
@@ -53,9 +52,8 @@ class Setup:
         pipeline.planning.settings). Plans nothing: the decision is made by `plan`."""
         with executor.setting_up():
             planner = Planner(model, settings, hooks=executor.planner_hooks(), surveyed=surveyed)
-        ctx = executor.context
         executor.coordination.agree("the settings check", settings=compared_settings(
-            settings, data_parallel=1 if ctx is None else ctx.layout.data_parallel,
+            settings, data_parallel=executor.processes.data_parallel,
             built=planner.schedule, loss_fn=loss_fn, model=model,
         ))
         return cls(model, executor, planner, load)
@@ -92,10 +90,6 @@ class Setup:
         decision = self.decision
         return decision.microbatches if decision is not None else self.planner.microbatches
 
-    def adopt(self, decision: Decision) -> None:
-        """Run `decision` from the next call on (the executor adopts it)."""
-        self.executor.adopt(decision)
-
     def costs(self) -> StageCosts:
         """The decision's per-stage profiled costs; when they were not profiled up front, every
         unit is measured now by the processes holding it (under torch.distributed every
@@ -105,7 +99,7 @@ class Setup:
             with self.executor.precision.planning(self.executor.devices):
                 units = self.executor.measure_units(decision)
             decision = self.planner.with_units(decision, units)
-            self.adopt(decision)
+            self.executor.adopt(decision)
         assert decision.costs is not None  # with_units sets them
         return decision.costs
 
@@ -179,7 +173,7 @@ class Setup:
             if new.captured is not decision.captured:
                 self.load(new)
             else:
-                self.adopt(new)
+                self.executor.adopt(new)
             decision = new
         for part in split.parts:
             check_inputs(decision.captured, part)
@@ -190,18 +184,17 @@ class Setup:
 
 def auto_layout(
     model: nn.Module, example_input: Batch | None, settings: PipelineSettings,
-) -> tuple[LayoutChoice, Agreement]:
+) -> tuple[LayoutChoice, Job]:
     """stages="auto" (pipeline.planning.layout): the layout chosen on this process's device
-    through the Pipeline's setup agreement, made here (the distributed executor takes it);
-    under ``compile=`` the units are profiled compiled, as the stages will run them."""
+    by the job's processes, met here through the Pipeline's setup agreement (the distributed
+    executor takes it over); under ``compile=`` the units are profiled compiled, as the stages
+    will run them."""
     check_layout_settings(example_input, schedule=settings.schedule,
                           microbatches=settings.microbatches, data_parallel=settings.data_parallel)
-    agreement = job_agreement(settings.timeout)
-    how = Coordination(leads=agreement.rank == 0, agree=agreement.sync, device=process_device(),
-                       keeps_whole_model=False, phase=agreement.phase)
+    job = job_before_layout(settings.timeout)
     options = compile_options(settings.compile) if settings.shard != "full" else None
     choice = choose_layout(
-        model, example_input, how, settings, world_size=agreement.world_size,
-        rank=agreement.rank, hooks=planner_hooks(options, CompileStats()),
+        model, example_input, job.coordination, settings, world_size=job.world_size,
+        rank=job.rank, hooks=planner_hooks(options, CompileStats()),
     )
-    return choice, agreement
+    return choice, job

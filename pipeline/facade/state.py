@@ -71,7 +71,7 @@ class ModelState:
         return held or {0: self.module}
 
     def state_dict(self) -> dict[str, Tensor] | None:
-        return checkpoint.gather_state_dict(self.held(), self.spec, self.executor.context)
+        return checkpoint.gather_state_dict(self.held(), self.spec, self.executor.processes)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool) -> None:
         checkpoint.load_state_dict(
@@ -87,11 +87,11 @@ class ModelState:
         if scaler is not None:
             extra = {SCALER_KEY: scaler.state_dict(), "extra": extra}
         if async_save and self.writer is None:
-            self.writer = AsyncWriter(self.executor.context, self.timeout)
+            self.writer = AsyncWriter(self.executor.processes, self.timeout)
         if not async_save:
             self.wait_checkpoint(None)
         checkpoint.save_checkpoint(
-            path, self.held(), self.spec, self.executor.context, optimizer=optimizer,
+            path, self.held(), self.spec, self.executor.processes, optimizer=optimizer,
             model=self.module, extra=extra, keep=keep,
             writer=self.writer if async_save else None,
         )

@@ -230,7 +230,7 @@ class Planner:
             )
         # The schedule when it is known before the first batch (else None).
         self.schedule: Schedule | None = (
-            self._adopt(custom, given) if custom is not None
+            self._checked_custom(custom, given) if custom is not None
             else self._build(given) if given is not None and not self.auto else None
         )
         # The microbatches per batch when known before the first batch.
@@ -253,7 +253,7 @@ class Planner:
             str(self.schedule_spec), self.ranks, microbatches, self.virtual_stages
         )
 
-    def _adopt(self, schedule: Schedule, microbatches: int | None) -> Schedule:
+    def _checked_custom(self, schedule: Schedule, microbatches: int | None) -> Schedule:
         """Check a custom schedule against the settings and validate it."""
         if schedule.num_ranks != self.ranks:
             raise ValueError(

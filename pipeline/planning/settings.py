@@ -24,6 +24,25 @@ from scheduler import SCHEDULES, Schedule
 _OWN = {"per_process": True}  # a field each process may set for itself: not compared
 
 
+SHARD_MODES = (None, "optimizer", "full")
+
+
+def check_shard(shard: object) -> str | None:
+    """`shard` if it is a mode; TypeError/ValueError naming the value and the modes."""
+    if shard is not None and not isinstance(shard, str):
+        raise TypeError(
+            f"shard must be None, 'optimizer' or 'full', got {shard!r} "
+            f"({type(shard).__name__})"
+        )
+    if shard not in SHARD_MODES:
+        raise ValueError(
+            f"shard={shard!r} is not a sharding mode; use shard=None (replicas keep everything), "
+            "'optimizer' (ZeRO-1: the optimizer state is sharded over the replicas) or 'full' "
+            "(FSDP2: parameters, gradients and optimizer state sharded)"
+        )
+    return shard
+
+
 @dataclass(frozen=True)
 class PipelineSettings:
     """Every setting of ``Pipeline(...)`` but the model, the loss and the data (their meaning

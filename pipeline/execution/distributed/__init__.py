@@ -1,16 +1,17 @@
 """The distributed executor: one process per pipeline rank over torch.distributed (launched by
-torchrun), with data-parallel replicas of the whole pipeline on top. Modules by job:
-`topology` (the (dp, pp) DeviceMesh and this process's place in it), `failure` (timeouts,
-failure reports, `RankFailure`), `agreement` (setup over the c10d store: settings checked
-before any tensor moves, setup failures named; `SettingsMismatch`), `context` (process groups
-+ failure protocol + agreement = `DistContext`; `agree` for checkpoints), `p2p` (wire format
-and the point-to-point `Transport`), `gradsync` (replica gradient averaging), `ties`
-(parameters tied across pipeline ranks), `step_agreement` (each step's batch-shape key and call,
-agreed within a pipeline), `step_end` (the loss on every rank, the trace on global rank 0),
-`shard` (ZeRO-1 / FSDP2 sharding of the replicas' state, ``Pipeline(shard=...)``),
-`optimizers` (the optimizer each shard mode needs, and the check of one built otherwise),
-`dtensors` (DTensor helpers; a leaf) and `executor` (`DistributedExecutor`, which runs the
-shared `RankRuntime`).
+torchrun), with data-parallel replicas of the whole pipeline on top. Modules by job: `topology`
+(the (dp, pp) DeviceMesh and this process's place in it), `failure` (timeouts, failure reports,
+`RankFailure`), `agreement` (setup over the c10d store: settings checked before any tensor
+moves, setup failures named; `SettingsMismatch`), `context` (process groups + failure protocol +
+agreement = `DistContext`, the job's `Processes` for checkpoints), `p2p` (wire format and the
+point-to-point `Transport`), `gradsync` (replica gradient averaging), `ties` (parameters tied
+across pipeline ranks), `step_agreement` (each step's batch-shape key and call, agreed within a
+pipeline), `step_end` (the loss on every rank, the trace on global rank 0), `shard` (ZeRO-1 /
+FSDP2 sharding of the replicas' state, ``Pipeline(shard=...)``), `optimizers` (the optimizer
+each shard mode needs, and the check of one built otherwise), `dtensors` (DTensor helpers; a
+leaf), `adoption` (a new decision adopted: the units that change rank move, with `moves`,
+`zero_moves`, `fsdp_moves`) and `executor` (`DistributedExecutor`, which runs the shared
+`RankRuntime`).
 
 Naming: a *rank* is a process; its *pipeline rank* is its "pp" coordinate (which stages it
 holds), its *replica* its "dp" coordinate. A *stage* is one contiguous piece of the model;
@@ -56,7 +57,7 @@ with DDP, replicas start from replica 0's weights.
 """
 
 from pipeline.execution.distributed.agreement import SettingsMismatch
-from pipeline.execution.distributed.context import DistContext, agree
+from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.executor import DistributedExecutor
 from pipeline.execution.distributed.failure import RankFailure
 from pipeline.execution.distributed.gradsync import GradSync
@@ -74,7 +75,6 @@ __all__ = [
     "P2PTransport",
     "RankFailure",
     "SettingsMismatch",
-    "agree",
     "make_layout",
     "resolve_timeout",
 ]

@@ -77,7 +77,7 @@ class MoveReport:
     tensors_moved: int
 
 
-def move_and_adopt(ctx: DistContext, sharding: Sharding, optimizers: Optimizers,
+def move_then_rebuild(ctx: DistContext, sharding: Sharding, optimizers: Optimizers,
                    old: Decision, new: Decision, rebuild: Callable[[], None]) -> MoveReport:
     """Move the units whose pipeline rank differs between `old` and `new` (the same decision
     on every process), then `rebuild` the executor for `new`. Under shard="full" the move runs

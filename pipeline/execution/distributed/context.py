@@ -1,14 +1,16 @@
 """`DistContext`: one process's view of the job: the default process group (initialised from
 the torchrun environment if needed), the (dp, pp, tp) DeviceMesh and its groups, this process's
-`Layout`, its device, the timeout, the failure protocol and the setup `agreement`. Also
-`agree`, a one-off "global rank 0 decides" broadcast for collective work after setup
-(checkpoints)."""
+`Layout`, its device, the timeout, the failure protocol and the setup `agreement`; and, as the
+job's `Processes` (pipeline.execution.processes), the collective steps checkpoints and elastic
+training take after setup (a "global rank 0 decides" broadcast, gathers to rank 0, barriers,
+a side channel for background saves)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from functools import cached_property
@@ -16,12 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipeline.execution.distributed import wire
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.failure import Failures
 from pipeline.execution.distributed.topology import DIMS, make_layout
+from pipeline.execution.processes import Processes
 from pipeline.execution.timeouts import resolve_timeout
 
 
@@ -53,7 +57,7 @@ def process_device() -> torch.device:
     return torch.device("cpu")
 
 
-class DistContext:
+class DistContext(Processes):
     """The process groups of this job as seen by this process.
 
     `layout`: where it sits in the (dp, pp) mesh; `dp_group` its gradient group (the replicas
@@ -124,10 +128,76 @@ class DistContext:
         """See `Failures.wait_work`: wait for a Work under the timeout."""
         self.failures.wait_work(work, peer, what)
 
+    # -- the job's processes, as checkpoints and elastic training see them ------------------
 
-def agree(obj: Any) -> Any:
-    """Global rank 0's `obj` on every rank; tensors arrive on CPU. Bounded by the process
-    group's own timeout (setup uses `DistContext.agreement` instead, which names failures)."""
-    if not dist.is_initialized():
-        return obj
-    return wire.broadcast_value(obj, src=0)
+    @property
+    def stages(self) -> int:
+        return self.layout.stages
+
+    @property
+    def data_parallel(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.pp_rank
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def agree(self, value: Any) -> Any:
+        """Global rank 0's `value` on every process (wire-encoded; tensors arrive on CPU).
+        Bounded by the process group's own timeout (setup uses `agreement`, which names
+        failures)."""
+        return wire.broadcast_value(value, src=0)
+
+    def barrier(self, what: str) -> None:
+        done = torch.zeros(1, device=self.device)
+        self.wait_work(dist.all_reduce(done, async_op=True), None, what)
+
+    def gather(self, part: dict[str, Any], *, replicas: bool = False
+               ) -> list[dict[str, Any]] | None:
+        layout = self.layout
+        if replicas and layout.data_parallel > 1:
+            with self.guard("state gather"):
+                return wire.gather_values(part, dst=0)
+        if layout.dp_rank != 0 or layout.tp_rank != 0:  # tp ranks hold whole copies then
+            return None
+        if layout.stages == 1:
+            return [part] if layout.rank == 0 else None
+        with self.guard("state gather"):
+            return wire.gather_values(part, dst=0, group=self.pp_group)
+
+    def gather_all(self, value: Any) -> list[Any] | None:
+        with self.guard("gathering of every process's values"):
+            return wire.gather_values(value, dst=0)
+
+    def minimum(self, value: Tensor) -> Tensor:
+        reduced = value.to(self.device, copy=True)
+        work = dist.all_reduce(reduced, op=dist.ReduceOp.MIN, async_op=True)
+        self.wait_work(work, None, "the minimum over every process")
+        return reduced.to(value.device)
+
+    def side_channel(self, timeout: float) -> Callable[[bool, float], bool]:
+        """A gloo group of its own (a background thread's collective must not interleave
+        with the executor's) whose all-reduce tells whether any process passed True."""
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        if not isinstance(group, dist.ProcessGroup):
+            raise RuntimeError("this process is not in the side channel's process group")
+
+        def any_true(flag: bool, seconds: float) -> bool:
+            value = torch.tensor([1.0 if flag else 0.0])
+            work = dist.all_reduce(value, group=group, async_op=True)
+            work.wait(timeout=timedelta(seconds=seconds))
+            return bool(value.item() > 0)
+
+        return any_true

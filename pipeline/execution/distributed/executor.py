@@ -49,7 +49,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from partitioner import Captured, StageModule
 from partitioner.tp_plan import TPPlan
-from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_and_adopt
+from pipeline.execution.distributed.adoption import MoveReport, Optimizers, move_then_rebuild
 from pipeline.execution.distributed.agreement import Agreement
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.dtensors import local
@@ -68,6 +68,7 @@ from pipeline.execution.executor import Executor, meta_message
 from pipeline.execution.grads import running_statistics
 from pipeline.execution.materialize import meta_tensors
 from pipeline.execution.passes import PreparedStage
+from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.execution.tensor_parallel import parallelize
@@ -134,6 +135,14 @@ class DistributedExecutor(Executor):
         self.last_move: MoveReport | None = None  # of the last adopted decision that moved
 
     measures_rank_speeds = True  # one process (one device) per pipeline rank
+
+    @property
+    def processes(self) -> Processes:
+        return self.context
+
+    @property
+    def rank_devices(self) -> dict[int, torch.device]:
+        return {self.layout.pp_rank: self.context.device}
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -209,7 +218,7 @@ class DistributedExecutor(Executor):
                 "the moves do not carry; build the Pipeline with the balance you want "
                 "(balance=[...]) instead of rebalancing"
             )
-        self.last_move = move_and_adopt(self.context, self.sharding, self.optimizers, old, new,
+        self.last_move = move_then_rebuild(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
 
     def measure_units(self, decision: Decision) -> Captured:

@@ -1,9 +1,9 @@
 """Optimizers for each shard mode (the optimizer side of `shard`):
 `build_optimizer` makes the optimizer a shard mode needs (``Pipeline.optimizer``: plain, or
-torch's `ZeroRedundancyOptimizer` over the "dp" group for ZeRO-1), `local_optimizer` the one
-whose state this process holds (ZeRO's inner one: what checkpoints save and load), and
-`OptimizerCheck` catches, at its first step, an optimizer that would be silently wrong or
-silently unsharded."""
+torch's `ZeroRedundancyOptimizer` over the "dp" group for ZeRO-1; the one whose state this
+process holds, what checkpoints save and load, is pipeline.execution.processes.local_optimizer),
+`state_bytes`, and `OptimizerCheck` catches, at its first step, an optimizer that would be
+silently wrong or silently unsharded."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.dtensors import local
 from pipeline.execution.executor import check_optimizer_class
+from pipeline.execution.processes import local_optimizer
 
 
 def build_optimizer(
@@ -40,24 +41,6 @@ def build_optimizer(
         return ZeroRedundancyOptimizer(
             params, optimizer_class=optimizer_class, process_group=ctx.dp_group, **kwargs
         )
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose state this process holds: ZeRO's inner one over the parameters
-    this replica owns; `optimizer` itself otherwise."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        inner: torch.optim.Optimizer = optimizer.optim
-        return inner
-    return optimizer
-
-
-def hyperparameters_loaded(optimizer: torch.optim.Optimizer) -> None:
-    """After loading into ZeRO's inner optimizer: copy its hyper-parameters to the outer
-    param groups (ZeRO copies outer to inner at each step, which would undo the load)."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups,
-                                strict=True):
-            outer.update({k: v for k, v in inner.items() if k != "params"})
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -30,24 +30,7 @@ from pipeline.execution.distributed.context import DistContext
 from pipeline.execution.distributed.optimizers import OptimizerCheck, build_optimizer
 from pipeline.execution.distributed.ties import TieSync
 from pipeline.execution.grads import parameter_slots
-
-SHARD_MODES = (None, "optimizer", "full")
-
-
-def check_shard(shard: object) -> str | None:
-    """`shard` if it is a mode; TypeError/ValueError naming the value and the modes."""
-    if shard is not None and not isinstance(shard, str):
-        raise TypeError(
-            f"shard must be None, 'optimizer' or 'full', got {shard!r} "
-            f"({type(shard).__name__})"
-        )
-    if shard not in SHARD_MODES:
-        raise ValueError(
-            f"shard={shard!r} is not a sharding mode; use shard=None (replicas keep everything), "
-            "'optimizer' (ZeRO-1: the optimizer state is sharded over the replicas) or 'full' "
-            "(FSDP2: parameters, gradients and optimizer state sharded)"
-        )
-    return shard
+from pipeline.planning.settings import check_shard
 
 
 class _RankStages(nn.Module):
