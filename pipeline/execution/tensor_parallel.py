@@ -243,10 +243,11 @@ def _replicate_plain_operands(module: fx.GraphModule) -> None:
                 continue
             if _holds_tensor(node):  # a size read off a DTensor (sym_size) is an int
                 dtensors.add(node)
+            like = next((i for i in sharded if _is_tensor(i)), sharded[0])
             for plain in inputs:
                 if plain not in dtensors and _is_tensor(plain):
                     with graph.inserting_before(node):
-                        made = graph.call_function(replicated_like, (plain, sharded[0]))
+                        made = graph.call_function(replicated_like, (plain, like))
                     made.meta = dict(plain.meta)
                     node.replace_input_with(plain, made)
 
