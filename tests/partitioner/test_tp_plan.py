@@ -155,3 +155,25 @@ def test_given_plan_by_module_globs() -> None:
         given_tp_plan(captured.graph_module, 2, {"x": "sideways"})
     with pytest.raises(ValueError, match="tensor_parallel must be an int >= 1"):
         derive_tp_plan(captured.graph_module, 0)
+
+
+@pytest.mark.slow  # a Hugging Face Llama's capture: a few seconds
+def test_hugging_face_base_model_tp_plan() -> None:
+    """A Hugging Face model's own ``base_model_tp_plan`` as given rules: the same Megatron
+    layout the derivation finds (q, k, v, gate, up colwise; o, down rowwise)."""
+    from partitioner.tp_plan import hf_tp_plan
+    from tests.support.real_models import llama
+
+    torch.manual_seed(0)
+    model = llama().double()
+    rules = hf_tp_plan(model)
+    assert rules is not None and "*layers.*.self_attn.q_proj" in rules, rules
+    captured = capture(model, (), {"input_ids": torch.randint(0, 8, (2, SEQ))})
+    given = given_tp_plan(captured.graph_module, 2, rules)
+    derived = derive_tp_plan(captured.graph_module, 2)
+    for proj, style in (("self_attn.q_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
+                        ("mlp.gate_proj", "colwise"), ("mlp.down_proj", "rowwise")):
+        name = f"model.layers.1.{proj}.weight"
+        assert given.style(name) == style and given.dim(name) == derived.dim(name), (
+            given.params[name], derived.params[name])
+    assert hf_tp_plan(nn.Linear(2, 2)) is None
