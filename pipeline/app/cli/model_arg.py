@@ -1,4 +1,5 @@
-"""The MODEL argument of `profile` and `plan`: a built-in demo model, torchvision:NAME or
+"""The MODEL argument of `profile` and `plan`: a built-in demo model, a transformer family by
+size, a Hugging Face config by name (hf:MODEL_TYPE[,key=value,...]), torchvision:NAME or
 package.module:factory, and random example inputs for it."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import difflib
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +35,47 @@ BUILTIN_MODELS: dict[str, _BuiltinModel] = {
 FAMILY_PREFIXES = ("gpt:", "llama:")
 """Transformer families by size (pipeline.planning.scale.transformer.parse_spec)."""
 
+HF_PREFIX = "hf:"
+HF_SEQ = 128
+"""Tokens per example of an hf: MODEL unless its `seq=` says otherwise."""
+
+
+def _value(text: str) -> int | float | bool | str:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def hf_config(spec: str) -> tuple[Any, int]:
+    """(transformers config, tokens per example) of `hf:MODEL_TYPE[,key=value,...]`: the
+    library's default config of that model type (e.g. gpt2, llama, mistral) with the given
+    fields replaced (`seq=` sets the example length, default HF_SEQ)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    name, *fields = spec[len(HF_PREFIX):].split(",")
+    if name not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(name, list(CONFIG_MAPPING.keys()), n=5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"MODEL {spec!r}: transformers has no model type {name!r}{hint}")
+    overrides: dict[str, object] = {}
+    for field in fields:
+        key, sep, text = field.partition("=")
+        if not sep or not key:
+            raise ValueError(f"MODEL {spec!r}: {field!r} is not key=value "
+                             "(e.g. hf:gpt2,n_layer=4,n_embd=256,seq=128)")
+        overrides[key.strip()] = _value(text.strip())
+    seq = overrides.pop("seq", HF_SEQ)
+    if not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"MODEL {spec!r}: seq={seq!r}; give a positive number of tokens")
+    config = AutoConfig.for_model(name, **overrides)
+    return config, seq
+
 
 def load_model(spec: str) -> nn.Module:
     """The model named by `spec`: a built-in name, gpt:... or llama:... (a transformer family
@@ -48,10 +90,16 @@ def load_model(spec: str) -> nn.Module:
         from pipeline.planning.scale.transformer import TransformerLM, parse_spec
 
         return TransformerLM(parse_spec(spec))
+    if spec.startswith(HF_PREFIX):
+        from transformers import AutoModelForCausalLM
+
+        config, _ = hf_config(spec)
+        return AutoModelForCausalLM.from_config(config)
     if ":" not in spec:
         raise ValueError(
             f"unknown MODEL {spec!r}: give one of {', '.join(BUILTIN_MODELS)}, "
-            "torchvision:NAME or package.module:factory"
+            "gpt:..., llama:..., hf:MODEL_TYPE[,key=value], torchvision:NAME or "
+            "package.module:factory"
         )
     where, name = spec.split(":", 1)
     if where == "torchvision":
@@ -92,6 +140,9 @@ def example_inputs(
 
         family = parse_spec(spec)
         builtin = _BuiltinModel("", (8, family.seq), family.vocab, spec)
+    elif spec.startswith(HF_PREFIX):
+        config, seq = hf_config(spec)
+        builtin = _BuiltinModel("", (8, seq), int(config.vocab_size), spec)
     if shapes is None:
         if builtin is None:
             raise ValueError(

@@ -37,7 +37,9 @@ def add(subparsers: Any) -> None:
             "partition plot (partition.png) and the plan (plan.json) to --out.\n\n"
             "MODEL is torchvision:NAME (e.g. torchvision:resnet50, random weights),\n"
             "package.module:factory (called without arguments, returns an nn.Module, e.g.\n"
-            "timm.models.resnet:resnet18),\n"
+            "timm.models.resnet:resnet18), gpt:.../llama:... (a transformer by size),\n"
+            "hf:MODEL_TYPE[,key=value,...,seq=S] (a Hugging Face causal LM from the\n"
+            "library's default config of that type, e.g. hf:gpt2,n_layer=4,seq=64),\n"
             f"or a built-in demo model:\n{models}"
         ),
         epilog=(

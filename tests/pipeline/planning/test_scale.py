@@ -238,3 +238,29 @@ def test_any_model_is_captured_on_meta_and_priced_unit_by_unit() -> None:
         fit(job, Layout(tp=2, pp=2))
     with pytest.raises(ValueError, match="families only"):
         fit(job, Layout(pp=2, microbatches=2, recompute="full"))
+
+
+@pytest.mark.slow  # imports transformers: several seconds
+def test_a_hugging_face_config_by_name_plans_for_a_target(tmp_path) -> None:
+    from pipeline.app.cli.model_arg import hf_config, load_model
+    from pipeline.planning.scale.graph import price_graph
+
+    model = "hf:gpt2,n_layer=2,n_embd=32,n_head=2,vocab_size=128,n_positions=32,seq=16"
+    out = tmp_path / "plan.json"
+    assert main(["plan", model, "--world-size", "4", "--target", "a100-sxm4-80gb",
+                 "--batch-size", "16", "--layout", "pp=2,microbatches=4,schedule=1f1b",
+                 "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["candidates"][0]
+    assert (row["pp"], row["dp"], row["microbatch_size"]) == (2, 2, 2)
+    with torch.device("meta"):
+        built = load_model(model)
+    priced = price_graph(model, built, (torch.randint(0, 128, (2, 16)),), A100)
+    # Every parameter priced, the head's weight tied to the token embedding at both of its
+    # units (a pipeline holds it on the first and the last stage).
+    assert sum(u.parameters for u in priced.units) == sum(
+        p.numel() for p in built.parameters()) + 128 * 32
+    assert len(row["peak_memory"]) == 2
+    with pytest.raises(ValueError, match="no model type 'gpt3'; did you mean"):
+        hf_config("hf:gpt3")
+    with pytest.raises(ValueError, match="is not key=value"):
+        hf_config("hf:gpt2,n_layer")
