@@ -98,8 +98,7 @@ def load_model(spec: str) -> nn.Module:
     if ":" not in spec:
         raise ValueError(
             f"unknown MODEL {spec!r}: give one of {', '.join(BUILTIN_MODELS)}, "
-            "gpt:..., llama:..., hf:MODEL_TYPE[,key=value], torchvision:NAME or "
-            "package.module:factory"
+            "torchvision:NAME or package.module:factory"
         )
     where, name = spec.split(":", 1)
     if where == "torchvision":
