@@ -146,20 +146,15 @@ def _described(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _loss_error(err: Exception, loss_fn: LossFn, output: Any, target: Any, mb: int
-                ) -> Exception:
-    """`err` (raised by the user's loss_fn) again, of its type where it takes a message, saying
-    which function raised it and how it was called."""
-    message = (
+def _loss_note(err: Exception, loss_fn: LossFn, output: Any, target: Any, mb: int) -> str:
+    """What a note on `err` (raised by the user's loss_fn) says: which function raised it, on
+    which microbatch, and how it was called."""
+    return (
         f"loss_fn {_name_of(loss_fn)} raised {type(err).__name__} on microbatch {mb}: "
         f"{str(err).rstrip('.')}. "
         f"It is called as {LOSS_SIGNATURE} with the model's output ({_described(output)}) "
         f"and that microbatch's targets ({_described(target)}); {_LOSS_EXAMPLE}"
     )
-    try:
-        return type(err)(message)
-    except Exception:  # noqa: BLE001 - an exception class that takes other arguments
-        return RuntimeError(message)
 
 
 def weighted_loss(
@@ -171,7 +166,9 @@ def weighted_loss(
     try:
         raw = loss_fn(output, target)
     except Exception as err:
-        raise _loss_error(err, loss_fn, output, target, mb) from err
+        # The user's own error object (type, message, attributes, traceback) with a note.
+        err.add_note(_loss_note(err, loss_fn, output, target, mb))
+        raise
     if not isinstance(raw, Tensor) or raw.numel() != 1:
         got = (
             f"a tensor of shape {tuple(raw.shape)}" if isinstance(raw, Tensor)

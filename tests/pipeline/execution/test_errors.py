@@ -139,7 +139,10 @@ def test_loss_fn_error_reaches_caller() -> None:
         pipe.step(x, y)
     assert str(info.value) == "boom in loss"
     # The loss runs inside the last stage's forward: the third call is microbatch 2's.
-    assert info.value.__notes__ == [
+    loss_note, *notes = info.value.__notes__
+    assert loss_note.startswith("loss_fn test_loss_fn_error_reaches_caller.<locals>.flaky_loss "
+                                "raised BoomError on microbatch 2: boom in loss.")
+    assert notes == [
         "while running 1F2 on pipeline rank 1",
         "raised by pipeline rank 1 on cpu",
     ]

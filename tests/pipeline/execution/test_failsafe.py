@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import signal
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -273,8 +274,9 @@ def test_loss_fn_of_another_signature_is_refused_at_construction(loss_fn: Any) -
 
 
 def test_error_raised_inside_loss_fn_names_it_and_how_it_is_called() -> None:
-    """The error keeps its type and its message, and says which loss_fn raised it, on which
-    microbatch, with what (the output's and the targets' shapes) and the signature."""
+    """The error is the user's own (type, message, traceback), with a note saying which
+    loss_fn raised it, on which microbatch, with what (the output's and the targets' shapes)
+    and the signature."""
     model = _model(nn.Identity())
     x, y = _data()
 
@@ -289,7 +291,9 @@ def test_error_raised_inside_loss_fn_names_it_and_how_it_is_called() -> None:
         r"\(\d+, \d+\)\) and that microbatch's targets \(a int64 tensor of shape \(\d+,\)\)"
     )) as caught:
         pipe.step(x, y)
-    assert caught.value.__cause__ is not None  # the original error, its traceback kept
+    assert caught.value.__notes__[0].startswith("loss_fn ")  # a note; the message is torch's
+    assert "wrong_targets" not in str(caught.value)
+    assert "wrong_targets" in "".join(traceback.format_tb(caught.value.__traceback__))
     _assert_grads_are_sevens(model)
 
 
