@@ -1,5 +1,5 @@
 """What switching train/eval mode and evaluating cost (pipe.eval(), pipe.evaluate; see
-pipeline/facade/modes.py).
+pipeline/facade/train_eval.py).
 
 A transformers GPT-2 config (4 layers, 64 wide, dropout 0.1, sequence 64, batch 8) in
 Pipeline(stages=2, microbatches=4) on CPU, one process: a training step; the first switch to

@@ -1,10 +1,10 @@
 """`Pipeline`: the public API. Each method hands its work to one collaborator: planning to
-`Setup` (pipeline.facade.setup, over the `Planner`: capture -> profile -> partition -> split ->
-costs), running to an `Executor` (local threads in one process, or one process per pipeline
-rank under torchrun: pipeline.execution), the model's state (state dicts, checkpoints, meta
-models) to `ModelState` (pipeline.facade.state), and the measured steps with what is computed
-from them (calibration, prediction, re-plans) to `MeasuredSteps` (pipeline.facade.measurement).
-The local and distributed difference lives in the executor."""
+`PlanningPhase` (pipeline.facade.planning_phase, over the `Planner`: capture -> profile ->
+partition -> split -> costs), running to an `Executor` (local threads in one process, or one
+process per pipeline rank under torchrun: pipeline.execution), the model's state (state dicts,
+checkpoints, meta models) to `ModelState` (pipeline.facade.model_state), and the measured steps
+with what is computed from them (calibration, prediction, re-plans) to `MeasuredSteps`
+(pipeline.facade.measurement). The local and distributed difference lives in the executor."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ from pipeline.execution.precision import warn_low_precision_parameters
 from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn
 from pipeline.execution.stage_io import check_loss_fn
+from pipeline.facade.arguments import check_settings
 from pipeline.facade.data import replica_sampler
 from pipeline.facade.measurement import MeasuredSteps
 from pipeline.facade.metrics import Metrics, StepMetrics
-from pipeline.facade.modes import Modes
+from pipeline.facade.model_state import ModelState
+from pipeline.facade.planning_phase import PlanningPhase, auto_layout
 from pipeline.facade.running import CallGuard, one_at_a_time, run_step
-from pipeline.facade.settings import check_settings
-from pipeline.facade.setup import Setup, auto_layout
-from pipeline.facade.state import ModelState
+from pipeline.facade.train_eval import ModeSwitch
 from pipeline.planning.activation_policies import Selective
 from pipeline.planning.autoplan import AutoPlan
 from pipeline.planning.calibration import Calibration, Rebalance
@@ -181,8 +181,8 @@ class Pipeline:
         self.devices = self._executor.devices
         warn_low_precision_parameters(model, self._executor.precision.dtype)
         self._model_state = ModelState(model, self._executor, self.timeout, init_fn)
-        self._modes = Modes(model)  # before any plan: it needs every tensor's shape
-        self._setup = Setup.agreed(
+        self._modes = ModeSwitch(model)  # before any plan: it needs every tensor's shape
+        self._setup = PlanningPhase.agreed(
             model, self._executor, self._load, settings, loss_fn=loss_fn,
             surveyed=layout.surveyed if layout is not None else None,
         )
@@ -242,9 +242,9 @@ class Pipeline:
         return result.loss
 
     def _inputs(self, x: Batch | None, *, whole: bool) -> Microbatches | None:
-        """`x` split into microbatches (planning first on the first batch; `Setup.inputs`),
+        """`x` split into microbatches (planning first on the first batch; `PlanningPhase.inputs`),
         with the held stages running the modes the model's modules are in now
-        (pipeline.facade.modes)."""
+        (pipeline.facade.train_eval)."""
         inputs = self._setup.inputs(x, whole=whole)
         self._modes.follow(self._setup, self._executor)
         return inputs

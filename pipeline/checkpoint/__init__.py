@@ -64,7 +64,7 @@ from pipeline.checkpoint.saveload import (
     read_checkpoint,
     save_checkpoint,
 )
-from pipeline.checkpoint.state import (
+from pipeline.checkpoint.state_dict import (
     TensorSpec,
     check_state_dict,
     gather_named,

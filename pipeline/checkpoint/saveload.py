@@ -61,7 +61,7 @@ from pipeline.checkpoint.optim import (
     _qualname,
 )
 from pipeline.checkpoint.parts import merge_parts
-from pipeline.checkpoint.state import (
+from pipeline.checkpoint.state_dict import (
     TensorSpec,
     _processes,
     _short,

@@ -9,7 +9,7 @@ import collections
 import logging
 from dataclasses import replace
 
-from pipeline.facade.setup import Setup
+from pipeline.facade.planning_phase import PlanningPhase
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
     Calibration,
@@ -33,7 +33,7 @@ class MeasuredSteps:
     schedule="auto" a schedule is synthesised once from two measured steps of the running one
     (after any re-balance), up to `SYNTH_MAX_CELLS` stages x microbatches."""
 
-    def __init__(self, setup: Setup, stages: int, auto_rebalance: bool) -> None:
+    def __init__(self, setup: PlanningPhase, stages: int, auto_rebalance: bool) -> None:
         self.setup = setup
         self.stages = stages
         self.auto_rebalance = auto_rebalance

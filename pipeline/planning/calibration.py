@@ -274,23 +274,30 @@ def gain(before: float, after: float) -> float:
 
 
 @dataclass(frozen=True)
-class Rebalance:
-    """A re-partition proposed from measured costs: stage sizes (nodes per stage) before and
-    after, the calibrated predicted step time of each, whether it was applied (only when the
-    gain 1 - after/before exceeds the threshold), and `measured`: each stage's measured
-    seconds per microbatch (forward + backward) it started from."""
+class ReplanReport:
+    """What a re-plan from measured costs proposed (a `Rebalance` or a
+    pipeline.planning.synthesis `Resynthesis`): the calibrated predicted step of the running
+    plan and of the new one, and whether it was applied (only when the gain 1 - after/before
+    exceeds the threshold)."""
 
-    before: list[int]
-    after: list[int]
     predicted_before: float
     predicted_after: float
     threshold: float
     applied: bool
-    measured: tuple[float, ...] = ()
 
     @property
     def gain(self) -> float:
         return gain(self.predicted_before, self.predicted_after)
+
+
+@dataclass(frozen=True)
+class Rebalance(ReplanReport):
+    """A re-partition: stage sizes (nodes per stage) before and after, and `measured`: each
+    stage's measured seconds per microbatch (forward + backward) it started from."""
+
+    before: list[int]
+    after: list[int]
+    measured: tuple[float, ...] = ()
 
     def __str__(self) -> str:
         verdict = "applied" if self.applied else f"kept the plan (gain <= {self.threshold:.0%})"

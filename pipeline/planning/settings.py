@@ -1,5 +1,5 @@
 """The settings of `Pipeline(...)`: `PipelineSettings`, the one frozen record the planner and
-the executor are built with (checked once, by pipeline.facade.settings), and what the processes
+the executor are built with (checked once, by pipeline.facade.arguments), and what the processes
 of a distributed job must share, as comparable text: every field of that record that is not
 this process's own (timeouts, devices), the schedule's text, the loss weighting, a fingerprint
 of the model's parameter names and shapes, and the structure and dtypes of each process's
@@ -46,7 +46,7 @@ def check_shard(shard: object) -> str | None:
 @dataclass(frozen=True)
 class PipelineSettings:
     """Every setting of ``Pipeline(...)`` but the model, the loss and the data (their meaning
-    is in the `Pipeline` docstring), as checked once by pipeline.facade.settings: the planner
+    is in the `Pipeline` docstring), as checked once by pipeline.facade.arguments: the planner
     and the executor are built with it and nothing is assigned into them afterwards. `stages`
     is "auto" until the layout is chosen (`laid_out`). `compile` is None (eager) or the
     torch.compile arguments; `tensor_parallel`, `tp_plan` and `sequence_parallel` are the

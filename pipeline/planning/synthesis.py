@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.planning.calibration import Calibration, calibrated_costs, gain
+from pipeline.planning.calibration import Calibration, ReplanReport, calibrated_costs
 from pipeline.planning.costs import StageCosts, predict
 from scheduler import Schedule, synthesize
 from scheduler.simulate import peak_held
@@ -78,20 +78,10 @@ def running_limits(
 
 
 @dataclass(frozen=True)
-class Resynthesis:
-    """A schedule synthesised from measured costs: the calibrated predicted step of the
-    running schedule and of the new one, and whether it was applied (only when the gain
-    1 - after/before exceeds the threshold)."""
+class Resynthesis(ReplanReport):
+    """A schedule synthesised from measured costs; `before`: the running schedule's name."""
 
     before: str
-    predicted_before: float
-    predicted_after: float
-    threshold: float
-    applied: bool
-
-    @property
-    def gain(self) -> float:
-        return gain(self.predicted_before, self.predicted_after)
 
     def __str__(self) -> str:
         verdict = "switched to it" if self.applied else f"kept {self.before} (gain <= " \
@@ -117,5 +107,6 @@ def propose_schedule(
     before = predict(schedule, measured, latency=lat, overhead=over).step_time
     after = predict(new, measured, latency=lat, overhead=over).step_time
     gain = 1.0 - after / before if before > 0 else 0.0
-    report = Resynthesis(schedule.name, before, after, threshold, gain > threshold)
+    report = Resynthesis(predicted_before=before, predicted_after=after, threshold=threshold,
+                         applied=gain > threshold, before=schedule.name)
     return report, new

@@ -469,7 +469,7 @@ def test_auto_stages_survey_profiles_compiled_units(
     one-process gloo job, a two-layer MLP."""
     import torch.distributed as dist
 
-    from pipeline.facade import setup
+    from pipeline.facade import planning_phase as setup
 
     surveys: list[tuple[Any, int]] = []
     choose = setup.choose_layout

@@ -112,7 +112,7 @@ def test_evaluate_needs_a_loss() -> None:
 def test_each_mode_is_captured_once_over_the_same_parameters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pipeline.facade import modes
+    from pipeline.facade import train_eval as modes
 
     captures: list[int] = []
     original = modes.stages_in_mode

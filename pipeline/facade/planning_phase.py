@@ -28,7 +28,7 @@ from pipeline.planning.settings import PipelineSettings, compared_settings
 from scheduler import Schedule
 
 
-class Setup:
+class PlanningPhase:
     """The planner, the decision once made, and the batch shapes already checked against it.
     `load` gives a decision to the executor (with the facade's current loss and settings)."""
 
@@ -46,7 +46,7 @@ class Setup:
     def agreed(
         cls, model: nn.Module, executor: Executor, load: Callable[[Decision], None],
         settings: PipelineSettings, *, loss_fn: LossFn | None, surveyed: Surveyed | None = None,
-    ) -> Setup:
+    ) -> PlanningPhase:
         """The planner for these settings, with the executor's hooks, once every process is
         checked to have built the same Pipeline (under torch.distributed;
         pipeline.planning.settings). Plans nothing: the decision is made by `plan`."""

@@ -1,7 +1,7 @@
 """Train and eval mode behind a Pipeline: each call runs in the modes the model's modules are
 in, as in eager PyTorch. A torch.export capture bakes the modes into its ops (dropout, batch
 norm); when the modules' modes differ from what the held stages run, every process agrees on
-the switch and the stages take the code of the other modes (pipeline.planning.modes: captured
+the switch and the stages take the code of the other modes (pipeline.planning.other_mode: captured
 once, on a fake stand-in that copies no weight, when first needed, cut by the running plan;
 kept for later switches), keeping their modules, parameters and buffers
 (pipeline.execution.stage_code)."""
@@ -13,13 +13,13 @@ from torch import nn
 from partitioner.inputs import modes
 from pipeline.execution.executor import Executor
 from pipeline.execution.stage_code import StageCode, code_of
-from pipeline.facade.setup import Setup
-from pipeline.planning.modes import Shape, shapes_of, stages_in_mode
+from pipeline.facade.planning_phase import PlanningPhase
+from pipeline.planning.other_mode import Shape, shapes_of, stages_in_mode
 from pipeline.planning.settings import mode_setting
 from pipeline.planning.shapes import pairs_for
 
 
-class Modes:
+class ModeSwitch:
     """The modes the held stages run and the stage code of each modes seen so far, for the
     running plan. `shapes`: the model's tensors' shapes, taken before any is freed."""
 
@@ -30,7 +30,7 @@ class Modes:
         self._codes: dict[tuple[bool, ...], list[StageCode]] = {}
         self.running: tuple[bool, ...] | None = None  # None: the code does not depend on it
 
-    def follow(self, setup: Setup, executor: Executor) -> None:
+    def follow(self, setup: PlanningPhase, executor: Executor) -> None:
         """Before a step or forward: make the held stages run the modules' current modes."""
         decision = setup.require_plan()
         if decision is not self._plan:  # a new decision runs the modes it was captured in
