@@ -35,14 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan `args.model` on `args.target`; print the table, write --json when given."""
-    from pipeline.planning.hardware import target_named
+    from pipeline.planning.hardware import LOCAL, target_named
     from pipeline.planning.scale.layout import Job, parse_layout
     from pipeline.planning.scale.predict import predict
     from pipeline.planning.scale.search import search
 
     if args.batch_size is None:
         raise ValueError("--target needs --batch-size (sequences per step over all replicas)")
-    target = target_named(args.target, args.gpus_per_node)
+    runtime = None
+    if args.target == LOCAL:  # the runtime's own cost per action, measured once and cached
+        from pipeline.facade.runtime_cost import runtime_cost
+
+        runtime = runtime_cost()
+    target = target_named(args.target, args.gpus_per_node, runtime)
     job = Job(_spec(args, target), target, args.world_size, args.batch_size, args.precision)
     if args.layout is not None:
         prediction = predict(job, parse_layout(args.layout))

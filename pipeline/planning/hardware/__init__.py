@@ -4,6 +4,7 @@ NCCL-style collective model (`collectives`) and the local CPU measured by a micr
 (`local`). Every constant is named next to its source; docs/planning-at-scale.md lists them."""
 
 from dataclasses import replace
+from typing import Any
 
 from pipeline.planning.hardware.collectives import Placement, collective_seconds, p2p_seconds
 from pipeline.planning.hardware.local import local_target
@@ -13,11 +14,13 @@ LOCAL = "cpu"
 """The name of the local CPU target (`local_target`: microbenchmarked, cached)."""
 
 
-def target_named(name: str, gpus_per_node: int | None = None) -> Target:
-    """The target called `name` ("cpu" measures this machine, cached), with its node's GPU
-    count replaced when `gpus_per_node` is given."""
+def target_named(name: str, gpus_per_node: int | None = None,
+                 runtime: dict[str, Any] | None = None) -> Target:
+    """The target called `name` ("cpu" measures this machine, cached, with the pipeline
+    runtime's measured cost per action and per step `runtime` when given), with its node's
+    GPU count replaced when `gpus_per_node` is given."""
     if name == LOCAL:
-        found = local_target()
+        found = local_target(runtime=runtime)
     elif name in TARGETS:
         found = TARGETS[name]
     else:

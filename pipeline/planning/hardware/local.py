@@ -118,14 +118,15 @@ def measure() -> dict[str, Any]:
             "torch": torch.__version__, "cpus": os.cpu_count()}
 
 
-def _cache_file() -> Path:
+def cache_file(kind: str = "target-v3") -> Path:
+    """Where this host's measured `kind` of figures is cached (`HYBRIDPIPE_CACHE` moves it)."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridpipe")
-    return root / f"local-target-v3-{platform.node()}-{torch.__version__}.json"
+    return root / f"local-{kind}-{platform.node()}-{torch.__version__}.json"
 
 
 def measured(refresh: bool = False) -> dict[str, Any]:
     """The microbenchmark's figures, from the cache unless `refresh` or absent."""
-    path = _cache_file()
+    path = cache_file()
     if not refresh and path.exists():
         return dict(json.loads(path.read_text()))
     figures = measure()
@@ -134,10 +135,13 @@ def measured(refresh: bool = False) -> dict[str, Any]:
     return figures
 
 
-def target_from(figures: dict[str, Any], processes: int = 2) -> Target:
+def target_from(figures: dict[str, Any], processes: int = 2,
+                runtime: dict[str, Any] | None = None) -> Target:
     """A `Target` from measured `figures`: peak = the measured matrix-product rate
     (efficiency 1), bandwidth = the measured copy, floor = the tiny op, and a "node" of
-    `processes` ranks linked by the measured gloo send."""
+    `processes` ranks linked by the measured gloo send; `runtime`: the pipeline runtime's
+    measured CPU seconds per "action" and per "step" (pipeline.facade.runtime_cost; none
+    given: 0)."""
     f64, f32, gloo = figures["fp64"], figures["fp32"], figures["gloo"]
     net = Network(
         gpus_per_node=processes,
@@ -161,10 +165,14 @@ def target_from(figures: dict[str, Any], processes: int = 2) -> Target:
         memory_efficiency=1.0,
         kernel_floor=f32["floor"],
         network=net,
-        sources={"all": "measured by pipeline.planning.hardware.local (microbenchmark)"},
+        sources={"all": "measured by pipeline.planning.hardware.local (microbenchmark)",
+                 "runtime": "measured by pipeline.facade.runtime_cost (microbenchmark)"},
+        action_overhead=float((runtime or {}).get("action", 0.0)),
+        step_overhead=float((runtime or {}).get("step", 0.0)),
     )
 
 
-def local_target(refresh: bool = False) -> Target:
-    """This machine as a target (microbenchmarked once, then cached)."""
-    return target_from(measured(refresh))
+def local_target(refresh: bool = False, runtime: dict[str, Any] | None = None) -> Target:
+    """This machine as a target (microbenchmarked once, then cached), with the runtime's
+    measured cost per action and per step when `runtime` is given."""
+    return target_from(measured(refresh), runtime=runtime)

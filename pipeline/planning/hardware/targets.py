@@ -53,7 +53,10 @@ class Target:
     multiprocessors for wave quantization (None: no quantization, as on a CPU);
     `attention_efficiency`: fused attention kernels' fraction of peak; `memory_efficiency`:
     memory-bound kernels' fraction of `memory_bandwidth`; `kernel_floor`: the least a kernel
-    costs. `sources` names where each figure comes from."""
+    costs; `action_overhead` and `step_overhead`: the pipeline runtime's own seconds per
+    F/B/W action (its send or receive included) and per step where they hold the device
+    (the local CPU: measured; 0 for a GPU, whose host work runs ahead of its kernels).
+    `sources` names where each figure comes from."""
 
     name: str
     description: str
@@ -67,6 +70,8 @@ class Target:
     network: Network
     sms: int | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    action_overhead: float = 0.0
+    step_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` (a name in `peak_flops`)."""

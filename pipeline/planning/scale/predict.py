@@ -81,8 +81,8 @@ def _node(rank: int, tp: int, gpus_per_node: int) -> int:
 
 def _simulate(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule
               ) -> list[list[tuple[float, float]]]:
-    split = schedule.splits_backward
-    ops = [(f, b, w) if split else (f, b + w, 0.0) for f, b, w in
+    split, act = schedule.splits_backward, job.target.action_overhead
+    ops = [(f + act, b + act, w + act) if split else (f + act, b + w + act, 0.0) for f, b, w in
            zip(costs.forward, costs.input_grad, costs.weight_grad, strict=True)]
     net, g, place = job.target.network, job.gpus_per_node, schedule.placement
 
@@ -214,7 +214,8 @@ def finish(job: Job, sim: Simulated, zero: str | None = None) -> Prediction:
     start = min(t[0][0] for t in times if t)
     makespan = max(t[-1][1] for t in times if t) - start
     ends, after = _sync(job, layout, sim.costs, sim.schedule, sim)
-    step = max(e + a for e, a in zip(ends, after, strict=True)) - start
+    step = max(e + a for e, a in zip(ends, after, strict=True)) - start + (
+        job.target.step_overhead)
     if zero3(layout):
         exposed = _zero3_exposed(job, layout, sim)
         step, ends = step + exposed, [e + exposed for e in ends]

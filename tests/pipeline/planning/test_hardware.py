@@ -113,3 +113,6 @@ def test_local_target_is_built_from_measured_figures_only() -> None:
     assert cpu.attention_efficiency == 0.5  # measured attention rate over the GEMM's
     assert cpu.network.intra_step_latency == 5e-5
     assert cpu.network.base_latency == pytest.approx(1.5e-4 - 2 * 5e-5)
+    assert cpu.action_overhead == cpu.step_overhead == 0.0  # no runtime figures given
+    timed = target_from(figures, runtime={"action": 4e-4, "step": 1.5e-3})
+    assert (timed.action_overhead, timed.step_overhead) == (4e-4, 1.5e-3)

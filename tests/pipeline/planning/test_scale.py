@@ -144,6 +144,24 @@ def test_a_layout_prediction_adds_up() -> None:
     assert none.memory.optimizer == pytest.approx(mem.optimizer * p.dp)
 
 
+def test_the_runtime_cost_per_action_and_step_enters_the_prediction() -> None:
+    from dataclasses import replace
+
+    from pipeline.planning.scale.predict import finish, simulate_layout
+
+    job, act, step = _job(), 1e-3, 5e-3
+    timed = Job(job.spec, replace(A100, action_overhead=act, step_overhead=step),
+                job.world_size, job.batch_size)
+    for name in ("1f1b", "zb-h1"):
+        layout = parse_layout(f"tp=2,pp=4,microbatches=8,schedule={name}")
+        plain, slow = simulate_layout(job, layout), simulate_layout(timed, layout)
+        for rank, (a, b) in enumerate(zip(plain.times, slow.times, strict=True)):
+            actions = len(slow.schedule.actions[rank])  # F, B (and W when split apart)
+            busy = sum(e - s for s, e in b) - sum(e - s for s, e in a)
+            assert busy == pytest.approx(actions * act)
+        assert finish(timed, slow).step_time >= finish(job, plain).step_time + step
+
+
 def test_layouts_that_do_not_fit_say_why() -> None:
     job = _job()
     with pytest.raises(ValueError, match="does not divide world size"):
