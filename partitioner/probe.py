@@ -64,7 +64,10 @@ def probe(
     def pack(t: Tensor) -> Tensor:
         if not is_param(t):
             saved[key(t)] = t.numel() * t.element_size()
-        return t
+        # Detached: a node saving its own output (rsqrt, exp, ...) would otherwise hold that
+        # output, whose grad_fn is the node: a cycle in C++ that Python's gc never frees,
+        # keeping the unit's graph, and with it references to its weights, alive for good.
+        return t.detach()
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         a, kw = tree_map(as_leaf, (args, kwargs)) if needs is None else tree_map(

@@ -129,6 +129,30 @@ def test_estimate_on_meta_with_a_parameter_used_raw() -> None:
     assert sum(costs[n].forward_flops or 0.0 for n in graph.order) > 0
 
 
+class _ExpBlock(nn.Module):
+    """A unit whose backward saves its own output (exp) after a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.lin(x))
+
+
+def test_estimate_leaves_no_graph_holding_the_weights() -> None:
+    """The estimate's backward graphs are freed with it: the weights can then be swapped in
+    place (materialising keeps the Parameter objects an optimizer holds)."""
+    with torch.device("meta"):
+        model = nn.Sequential(_ExpBlock(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    graph = capture(model, (x.to("meta"),), leaf_modules=(_ExpBlock,))
+    estimate(graph, (x,))
+    weight = model[0].lin.weight
+    torch.utils.swap_tensors(weight, nn.Parameter(torch.zeros(4, 4)))
+    assert not weight.is_meta
+
+
 def test_retarget_rewrites_positional_devices() -> None:
     class Moves(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

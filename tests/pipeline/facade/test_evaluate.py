@@ -157,12 +157,17 @@ def test_real_models_evaluate_as_their_eval_after_training(build: Any) -> None:
     meta = any(p.is_meta for p in model.parameters())
     pipe = Pipeline(model, stages=2, microbatches=2, loss_fn=lm_loss,
                     init_fn="reset_parameters" if meta else None)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # before the weights exist on meta
+    before: dict[str, torch.Tensor] = {}
     for step in range(2):
         x, y = token_batch(step, rows=4, seq=8, vocab=48)
         pipe.step(x, y)
+        before = before or {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
+    # The optimizer built first trains the weights the model and the stages hold.
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, unchanged
     x, y = token_batch(9, rows=4, seq=8, vocab=48)
     pipe.eval()
     loss = pipe.evaluate(x, y)
