@@ -71,7 +71,7 @@ def _stages_reading(pipe: Pipeline, param: nn.Parameter) -> list[int]:
 # -- one unit per call ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["albert", "loop"])
+@pytest.mark.parametrize("name", [pytest.param("albert", marks=pytest.mark.slow), "loop"])
 def test_each_call_of_a_shared_module_is_a_unit_and_balances(name: str) -> None:
     model = albert() if name == "albert" else Loop(steps=12).double()
     heavy = "albert.encoder.albert_layer_groups.0.albert_layers.0" if name == "albert" else "block"
@@ -145,6 +145,7 @@ def test_albert_calls_share_one_measurement() -> None:
 # -- dynamic dims -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_only_the_batch_dim_is_dynamic_and_a_new_sequence_length_recaptures() -> None:
     model = build("gpt2").double()
     ref = copy.deepcopy(model)

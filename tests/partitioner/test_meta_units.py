@@ -289,6 +289,7 @@ def test_rebalance_after_meta_init_uses_the_real_weights() -> None:
     assert float(loss) == pytest.approx(float(nn.MSELoss()(model(x), y).detach()), abs=1e-12)
 
 
+@pytest.mark.slow
 def test_meta_llama_from_a_checkpoint_of_another_layout(tmp_path: Path) -> None:
     """A checkpoint saved at 2 stages loads into a meta-built Llama at 3: the loaded weights
     as saved, the rotary inv_freq (in no checkpoint) from Hugging Face's init; same loss."""

@@ -77,6 +77,7 @@ def test_valid_within_memory_and_never_worse_than_the_generators(
     assert timeline.step_time >= bound - 1e-9
 
 
+@pytest.mark.slow
 def test_deterministic_and_fast_at_p8_m32() -> None:
     """The same inputs give the same schedule (the evaluation budget, not the clock, ends the
     search at this size), and it beats 1F1B by the zero-bubble margin at least."""

@@ -43,9 +43,15 @@ def capture_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planner, "capture", _CAPTURE)
 
 
+# The families whose capture costs most here run in the slow set (-m "not slow" keeps the rest).
+_SLOW_FAMILIES = {"t5", "mistral", "albert", "llama"}
+
+
 @pytest.mark.usefixtures("capture_once")
 @pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_FAMILIES else n for n in sorted(SPECS)
+])
 def test_real_model_transparency(name: str, stages: int) -> None:
     spec = SPECS[name]
     if name not in _MODELS:
@@ -72,7 +78,8 @@ def test_real_model_transparency(name: str, stages: int) -> None:
     assert set(pipe.state_dict() or {}) == set(model.state_dict())
 
 
-@pytest.mark.parametrize(("name", "schedule"), [("t5", "zbv"), ("t5", "zb-h1"),
+@pytest.mark.parametrize(("name", "schedule"), [pytest.param("t5", "zbv", marks=pytest.mark.slow),
+                                              ("t5", "zb-h1"),
                                               ("gpt2", "zb-h2")])
 def test_real_model_split_backward(name: str, schedule: str) -> None:
     """Zero-bubble schedules (backward split into B and W) on real models: T5's relative

@@ -46,6 +46,7 @@ def test_candidates_are_ranked_predictions_within_the_cap() -> None:
     assert list(c.peak_memory) == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_pruning_keeps_the_winner_and_the_cap_can_exclude_everything() -> None:
     graph = synthetic_graph()
     for limit in (None, 2.0e5):
