@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.planning.hardware.local import cache_file
+from pipeline.planning.hardware.local import cached
 
 MICROBATCHES = (2, 8)
 STEPS = 12
@@ -77,10 +77,5 @@ def measure() -> dict[str, float]:
 
 def runtime_cost(refresh: bool = False) -> dict[str, float]:
     """The runtime's cost per action and per step, from the cache unless `refresh`."""
-    path = cache_file("runtime")
-    if not refresh and path.exists():
-        return dict(json.loads(path.read_text()))
-    figures = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(figures, indent=2) + "\n")
+    figures: dict[str, float] = cached("runtime", measure, refresh)
     return figures

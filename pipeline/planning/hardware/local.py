@@ -134,15 +134,22 @@ def cache_file(kind: str = "target-v4") -> Path:
     return root / f"local-{kind}-{platform.node()}-{torch.__version__}.json"
 
 
-def measured(refresh: bool = False) -> dict[str, Any]:
-    """The microbenchmark's figures, from the cache unless `refresh` or absent."""
-    path = cache_file()
+def cached(kind: str, measure_now: Callable[[], dict[str, Any]], refresh: bool = False
+           ) -> dict[str, Any]:
+    """This host's `kind` of figures from its cache file, or measured now by `measure_now`
+    (and cached) when `refresh` or absent."""
+    path = cache_file(kind)
     if not refresh and path.exists():
         return dict(json.loads(path.read_text()))
-    figures = measure()
+    figures = measure_now()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(figures, indent=2) + "\n")
     return figures
+
+
+def measured(refresh: bool = False) -> dict[str, Any]:
+    """The microbenchmark's figures, from the cache unless `refresh` or absent."""
+    return cached("target-v4", measure, refresh)
 
 
 def target_from(figures: dict[str, Any], processes: int = 2,
