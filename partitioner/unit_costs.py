@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Source = Literal["profile", "estimate", "measured"]
 
@@ -85,3 +85,19 @@ def with_policies(costs: Mapping[str, UnitCosts], policies: Mapping[str, PolicyC
         )
     return {v: dataclasses.replace(c, policies=policies.get(v, c.policies))
             for v, c in costs.items()}
+
+
+def costs_as_data(costs: Mapping[str, UnitCosts]) -> dict[str, dict[str, Any]]:
+    """`costs` as plain data (numbers, strings, None, dicts), e.g. for a checkpoint, which
+    loads with ``torch.load(weights_only=True)``; `costs_from_data` reads it back equal."""
+    return {v: dataclasses.asdict(c) for v, c in costs.items()}
+
+
+def costs_from_data(data: Mapping[str, Mapping[str, Any]]) -> dict[str, UnitCosts]:
+    """The `UnitCosts` per unit that `costs_as_data` wrote."""
+    out = {}
+    for v, fields in data.items():
+        policies = fields.get("policies")
+        out[v] = UnitCosts(**{**fields, "policies": None if policies is None
+                              else PolicyCosts(**policies)})
+    return out

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, Sampler
 from partitioner import Captured, Plan, StageModule
 from partitioner.saved_bytes import SavedBytes
 from partitioner.tp_plan import TPPlan
+from partitioner.unit_costs import UnitCosts
 from pipeline.execution.choose import executor_for
 from pipeline.execution.compiled import CompileStats
 from pipeline.execution.executor import merge_outputs
@@ -591,6 +592,19 @@ class Pipeline:
     def rebalanced(self) -> Rebalance | None:
         """The report of the last `rebalance` (automatic or on demand), else None."""
         return self._measured.rebalanced
+
+    def rebalance_from(
+        self, costs: Mapping[str, UnitCosts], *,
+        optimizer: torch.optim.Optimizer | None = None, threshold: float = 0.0,
+    ) -> Rebalance:
+        """The elastic re-plan: re-partition the running plan from unit costs an earlier run
+        of this model measured (its ``pipe.captured.costs``, which a checkpoint keeps;
+        `Checkpointer.resume` calls this at another layout before loading) when that cuts the
+        step they predict by more than `threshold`, without profiling again. This Pipeline
+        keeps those costs (``pipe.captured.costs``) for later re-plans and checkpoints. Under
+        torchrun every process calls it; the moved units' state in `optimizer` (and in those
+        made by ``pipe.optimizer(...)``) moves with them. Returns the Rebalance report."""
+        return self._measured.rebalance_from(costs, optimizer, threshold)
 
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:
         """Synthesise a schedule from the measured costs within the memory the running one

@@ -140,13 +140,17 @@ def save_checkpoint(
     extra: Any = None,
     keep: int = 1,
     writer: AsyncWriter | None = None,
+    unit_costs: Mapping[str, Any] | None = None,
 ) -> None:
     """Write this process's model (+ optimizer) state into the checkpoint directory `path`
-    (see the module docstring), atomically. Every process must call it; it returns once the
-    new version is live (all ranks wait). `model` names the optimizer's parameters. `extra`
-    must load back with ``torch.load(weights_only=True)`` (`check_extra`, at once). A full
-    disk is an OSError(ENOSPC) saying so; the previous checkpoint stays live, and what the
-    failed save wrote is removed. `keep`: versions kept (the newest; older ones are deleted
+    (see the module docstring), atomically, with the layout it ran at and `unit_costs` (global
+    rank 0's: the run's profiled or measured unit costs as plain data,
+    partitioner.unit_costs.costs_as_data, which an elastic restart re-plans from). Every
+    process must call it; it returns once the new version is live (all ranks wait). `model`
+    names the optimizer's parameters. `extra` must load back with
+    ``torch.load(weights_only=True)`` (`check_extra`, at once). A full disk is an
+    OSError(ENOSPC) saying so; the previous checkpoint stays live, and what the failed save
+    wrote is removed. `keep`: versions kept (the newest; older ones are deleted
     when a new one goes live). With `writer` the save is asynchronous: it first waits for the
     writer's previous save, then returns once this process's tensors are staged (copied), and
     the new version goes live in the background (`AsyncWriter.wait`)."""
@@ -176,7 +180,7 @@ def save_checkpoint(
             meta = {
                 "format": FORMAT, "version": VERSION, "checksums": ALGORITHM,
                 "spec": _spec_to_json(spec),
-                "layout": layout, "optimizer": optimizer_info,
+                "layout": layout, "unit_costs": unit_costs or {}, "optimizer": optimizer_info,
                 "values": {k: v for part in parts for k, v in part.items()}, "extra": extra,
             }
             finish = functools.partial(_go_live, root, name, meta, keep, procs.world_size)

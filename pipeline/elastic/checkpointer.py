@@ -2,8 +2,10 @@
 the latest complete version of a checkpoint directory (the live one, or, if a process cannot
 read it, the newest older one retained by `keep`), loads the model, the optimizer, the data
 position and the RNG states at whatever layout this run has, and reports what it resumed
-(`Resumed`); `maybe_save` saves every `every` steps, keeping the last `keep` versions, and
-asynchronously if asked (the step stalls only while the tensors are copied).
+(`Resumed`); at another layout the plan is first re-planned from the unit costs the saving run
+measured (the elastic re-plan, `Pipeline.rebalance_from`), so the restarted run balances on
+them without profiling again; `maybe_save` saves every `every` steps, keeping the last `keep`
+versions, and asynchronously if asked (the step stalls only while the tensors are copied).
 
 What a save holds besides model and optimizer (its ``extra``): the steps done, the caller's
 data position (plain data, e.g. a sampler's state) and the RNG states of every process (torch's
@@ -25,8 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from partitioner.unit_costs import costs_from_data
 from pipeline.checkpoint import read_checkpoint
 from pipeline.checkpoint.files import versions
+from pipeline.planning.calibration import Rebalance
 
 if TYPE_CHECKING:
     from pipeline.api import Pipeline
@@ -74,7 +78,9 @@ def set_rng_state(saved: dict[str, Any]) -> None:
 class Resumed:
     """What `Checkpointer.resume` loaded: the version directory, the steps done before it
     was saved, the caller's data position, the layout it was saved at and the one it was
-    loaded into ({"stages": ..., "data_parallel": ...}), and the seconds the load took."""
+    loaded into ({"stages": ..., "data_parallel": ...}), the seconds the load took, and
+    `replanned`: at another layout, the report of the elastic re-plan from the unit costs the
+    checkpoint kept (None when there was none: see `Checkpointer.resume`)."""
 
     version: Path
     step: int
@@ -82,15 +88,19 @@ class Resumed:
     saved_layout: dict[str, int]
     layout: dict[str, int]
     seconds: float
+    replanned: Rebalance | None = None
 
     def __str__(self) -> str:
         def text(layout: dict[str, int]) -> str:
             return f"stages={layout['stages']} x data_parallel={layout['data_parallel']}"
 
+        replanned = self.replanned
         return (
             f"resumed after step {self.step} from {str(self.version)!r} (saved at "
             f"{text(self.saved_layout)}, loaded at {text(self.layout)}) in {self.seconds:.2f} s"
-        )
+        ) + ("" if replanned is None else (
+            f"; re-planned from the unit costs it kept: stages {replanned.before} -> "
+            f"{replanned.after}, " + ("applied" if replanned.applied else "plan kept")))
 
 
 def _coordinate(pipe: Pipeline) -> tuple[int, int]:
@@ -131,31 +141,67 @@ class Checkpointer:
     def resume(self) -> Resumed | None:
         """Load the newest version of `path` that every process can read (the live one, else
         an older one kept by `keep`; see the module docstring), or return None when there is
-        none yet. Logged on the "hybridpipe" logger; a version skipped as damaged is logged
-        as a warning. ValueError (the newest version's) when none loads."""
+        none yet. Saved at another layout, with the unit costs of the run that saved it (a
+        run planned on profiled or measured costs keeps them), the version is loaded into
+        the plan re-planned from them (`_replan`; `Resumed.replanned`). Logged on the
+        "hybridpipe" logger; a version skipped as damaged is logged as a warning. ValueError
+        (the newest version's) when none loads."""
         started = time.perf_counter()
         if not (self.path / "current").is_file():
             return None
         first: ValueError | None = None
         for name in reversed(versions(self.path)):
+            replanned = self._replan(name)
             try:
                 extra = self.pipe.load_checkpoint(self.path, self.optimizer, version=name)
                 failed = None
             except ValueError as err:  # all or nothing: this process is as it was
                 failed, first = err, first or err
             if self._everywhere(failed is None):
-                return self._resumed(name, extra, started)
+                return self._resumed(name, extra, started, replanned)
             log.warning("hybridpipe: checkpoint version %s of %s not loaded (%s); trying an "
                         "older one", name, self.path, failed or "on another process")
         raise first or ValueError(
             f"no version of checkpoint {str(self.path)!r} loaded on every process"
         )
 
+    def _replan(self, name: str) -> Rebalance | None:
+        """Before version `name` is loaded, when it was saved at another layout with its run's
+        unit costs: the elastic re-plan of this Pipeline's plan from them
+        (`Pipeline.rebalance_from`: `Planner.replan`, then `Executor.adopt`, the units'
+        state in the optimizer moving with them), so the state loads into the stages it
+        balances. Not before the plan is made (the first batch plans; pass example_input=),
+        nor with tensor_parallel (the moves do not carry shards) or stage sizes given as
+        ``balance=[...]``. Every process decides alike (an all-reduce)."""
+        costs: dict[str, Any] = {}
+        try:
+            _, meta = read_checkpoint(self.path, name)
+            costs = meta.get("unit_costs") or {}
+            usable = (bool(costs) and meta["layout"] != _layout(self.pipe)
+                      and self._planned_on(costs))
+        except ValueError:  # the load says what is wrong with this version
+            usable = False
+        if not self._everywhere(usable):
+            return None
+        return self.pipe.rebalance_from(costs_from_data(costs), optimizer=self.optimizer)
+
+    def _planned_on(self, units: dict[str, Any]) -> bool:
+        """Whether this Pipeline is planned, on these units, in a way a re-plan may change."""
+        pipe = self.pipe
+        if pipe.settings.tensor_parallel > 1 or not isinstance(pipe.balance, str):
+            return False
+        try:
+            order = pipe.captured.order
+        except RuntimeError:  # no plan yet: it is made from the first batch
+            return False
+        return set(order) == set(units)
+
     def _everywhere(self, ok: bool) -> bool:
         """Whether `ok` holds on every process (under torch.distributed; an all-reduce)."""
         return bool(self.pipe.processes.minimum(torch.tensor([1 if ok else 0])).item())
 
-    def _resumed(self, name: str, extra: Any, started: float) -> Resumed:
+    def _resumed(self, name: str, extra: Any, started: float,
+                 replanned: Rebalance | None) -> Resumed:
         version, meta = read_checkpoint(self.path, name)
         if not isinstance(extra, dict) or _TAG not in extra:
             raise ValueError(
@@ -168,7 +214,7 @@ class Checkpointer:
         resumed = Resumed(
             version=version, step=saved["step"], data=saved["data"],
             saved_layout=meta["layout"], layout=_layout(self.pipe),
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started, replanned=replanned,
         )
         self.pipe.steps_done = resumed.step  # metrics number the steps on from here
         log.info("hybridpipe: %s", resumed)

@@ -139,22 +139,27 @@ class Executor(ABC):
         self.loss_fn = loss_fn
         self.reload()
 
-    def adopt(self, decision: Decision) -> None:
+    def adopt(self, decision: Decision, *,
+              carrying: Sequence[torch.optim.Optimizer] = ()) -> None:
         """Run `decision` from the next call on: after `load`, the one place the running
         decision changes (a re-plan, costs profiled later, a capture kept). With the same
         stages and schedule it is taken as it is; otherwise the stages are placed anew for it,
-        the units that change hands moving to their new holders first (`_relocate`)."""
+        the units that change hands moving to their new holders first (`_relocate`), with
+        their state in `carrying` besides the optimizers the executor knows."""
         old = self.planned
         if old is None:
             raise RuntimeError("the executor has no plan yet; call load first")
         if decision.modules is old.modules and decision.schedule is old.schedule:
             self.planned = decision
             return
-        self._relocate(old, decision, lambda: self.load(decision, loss_fn=self.loss_fn))
+        self._relocate(old, decision, lambda: self.load(decision, loss_fn=self.loss_fn),
+                       carrying)
 
-    def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
-        """Move what `new` places elsewhere than `old`, then `rebuild` for `new`; here every
-        stage is in this process, so nothing moves."""
+    def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None],
+                  carrying: Sequence[torch.optim.Optimizer]) -> None:
+        """Move what `new` places elsewhere than `old` (with its state in the optimizers
+        `carrying`), then `rebuild` for `new`; here every stage is in this process and its
+        optimizers hold every parameter, so nothing moves."""
         rebuild()
 
     measures_rank_speeds = False

@@ -1,14 +1,19 @@
 """The measured steps of a Pipeline: their traces, the calibration made from them,
 the predicted step (simulate), and the re-plans from measured costs (rebalance: a new
-partition; for schedule="auto", resynthesize: a new schedule), each a planning phase
+partition; for schedule="auto", resynthesize: a new schedule; after a restart at another
+layout, the elastic re-plan from the unit costs the checkpoint kept), each a planning phase
 (`Planner.replan`) whose decision the executor adopts (`Executor.adopt`)."""
 
 from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 
+from torch.optim import Optimizer
+
+from partitioner.unit_costs import UnitCosts
 from pipeline.facade.planning_phase import PlanningPhase
 from pipeline.planning.autoplan import SYNTH_MAX_CELLS
 from pipeline.planning.calibration import (
@@ -20,7 +25,7 @@ from pipeline.planning.calibration import (
     predict_calibrated,
 )
 from pipeline.planning.costs import StageCosts, costs_for_stages, predict
-from pipeline.planning.replan import Measured, Reason, own_stage_means
+from pipeline.planning.replan import Measured, Reason, from_unit_costs, own_stage_means
 from pipeline.planning.synthesis import Resynthesis
 from scheduler import Schedule, Timeline, build_schedule
 
@@ -152,6 +157,27 @@ class MeasuredSteps:
         report = self._from_measured("rebalance", threshold)
         assert isinstance(report, Rebalance)
         self.rebalanced = report
+        return report
+
+    def rebalance_from(self, costs: Mapping[str, UnitCosts], optimizer: Optimizer | None,
+                       threshold: float) -> Rebalance:
+        """The elastic re-plan: the running decision re-partitioned from unit costs an earlier
+        run of the model measured (its checkpoint's; `Planner.replan`, "elastic"), adopted
+        with those costs (so later re-plans and checkpoints keep them), the units' state in
+        `optimizer` moving with them; every process calls it."""
+        setup = self.setup
+        decision = setup.require_plan()
+        units = decision.captured.with_costs(costs)  # a ValueError for another model's units
+        decision = setup.planner.with_units(decision, units)
+        new = setup.planner.replan(decision, from_unit_costs(units, decision.plan), "elastic",
+                                   setup.executor.coordination, threshold)
+        report = new.replanned
+        assert isinstance(report, Rebalance)  # an elastic re-plan re-partitions
+        setup.executor.adopt(new, carrying=() if optimizer is None else (optimizer,))
+        if report.applied:
+            self.measured.clear()
+            self.stage_times.clear()
+        log.info("hybridpipe: elastic %s", report)
         return report
 
     def resynthesize(self, threshold: float = 0.05) -> Resynthesis:

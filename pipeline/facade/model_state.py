@@ -1,5 +1,6 @@
 """The model's state behind a Pipeline: the modules this process holds, the whole-model state
-dict and checkpoints read from and written into them (pipeline.checkpoint), and for a model
+dict and checkpoints read from and written into them (pipeline.checkpoint; a checkpoint also
+keeps the running plan's unit costs, which an elastic restart re-plans from), and for a model
 built on the meta device, the initial values of the tensors this process holds
 (pipeline.execution.materialize): all of them from `init_fn`, or those a state dict or
 checkpoint lacks (non-persistent buffers) from the modules' own initialisation."""
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partitioner.unit_costs import costs_as_data
 from pipeline import checkpoint
 from pipeline.checkpoint.background import AsyncWriter
 from pipeline.execution.executor import Executor
@@ -90,10 +92,12 @@ class ModelState:
             self.writer = AsyncWriter(self.executor.processes, self.timeout)
         if not async_save:
             self.wait_checkpoint(None)
+        planned = self.executor.planned
         checkpoint.save_checkpoint(
             path, self.held(), self.spec, self.executor.processes, optimizer=optimizer,
             model=self.module, extra=extra, keep=keep,
             writer=self.writer if async_save else None,
+            unit_costs=costs_as_data(planned.captured.costs) if planned is not None else None,
         )
 
     def wait_checkpoint(self, timeout: float | None) -> None:

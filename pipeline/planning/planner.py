@@ -518,7 +518,9 @@ class Planner:
     def replan(self, decision: Decision, measured: Measured | None, reason: Reason,
                how: Coordination, threshold: float = 0.05) -> Decision:
         """A re-plan of `decision` for `reason` ("rebalance": a new partition, for the units'
-        measured costs or the ranks' measured speeds; "resynthesize": a new schedule) from
+        measured costs or the ranks' measured speeds; "resynthesize": a new schedule;
+        "elastic": a new partition from the unit costs an earlier run kept, at this run's
+        layout, pipeline.planning.replan.from_unit_costs) from
         what was `measured` (read on the leader only): the leader decides
         (pipeline.planning.replan.decide) and every process follows, agreed as the first plan
         is (a `Replanned` record, carried by field name). Returns the decision to run, with

@@ -3,7 +3,8 @@ was measured (`Measured`: every stage's measured times, the slowest replica's, a
 profiled costs), the one proposer of a new partition (`propose_rebalance`) and of a new
 schedule (`pipeline.planning.synthesis.propose_schedule`), and what the leader decides for
 every process (`Replanned`, carried through the agreement by field name, as the first plan
-is).
+is). The elastic re-plan (a run restarted at another layout) is a re-balance whose measurement
+is the unit costs the earlier run kept in its checkpoint (`from_unit_costs`).
 
 A stage's measured deviation from its profile is attributed to its units (`by_rank` False:
 every stage runs on the same kind of device, in one process) or to its rank's speed
@@ -32,8 +33,8 @@ from pipeline.planning.rank_speeds import at_speeds, rank_speeds, scaled_units
 from pipeline.planning.synthesis import Resynthesis, propose_schedule, running_limits
 from scheduler import Op, Schedule, Timeline
 
-Reason = Literal["rebalance", "resynthesize"]
-REASONS: tuple[Reason, ...] = ("rebalance", "resynthesize")
+Reason = Literal["rebalance", "resynthesize", "elastic"]
+REASONS: tuple[Reason, ...] = ("rebalance", "resynthesize", "elastic")
 OPS = (Op.F, Op.B, Op.W)
 
 
@@ -66,6 +67,18 @@ class Measured:
     calibration: Calibration
     units: Captured
     by_rank: bool
+
+
+def from_unit_costs(units: Captured, plan: Plan) -> Measured:
+    """What an elastic re-plan starts from: `units` carrying the unit costs an earlier run of
+    the model measured (its checkpoint's), which are the measurement; each stage's measured
+    time is its units' costs summed under the running `plan`, so the proposer partitions on
+    the units' own costs (no overhead or latency: this run has measured no step)."""
+    costs = stage_costs(units, plan)
+    calibration = Calibration(list(costs.forward), list(costs.input_grad),
+                              list(costs.weight_grad), overhead=0.0, latency=0.0, steps=0,
+                              splits_backward=True)
+    return Measured(calibration, units, by_rank=False)
 
 
 @dataclass(frozen=True)
@@ -137,7 +150,8 @@ def propose_rebalance(
 
 def decide(decision: Decision, measured: Measured, reason: Reason, threshold: float,
            memory_limit: float | None) -> Replanned:
-    """(The leader) the re-plan of `decision` for `reason` from what was measured."""
+    """(The leader) the re-plan of `decision` for `reason` from what was measured: a new
+    schedule ("resynthesize") or a new partition ("rebalance", "elastic")."""
     if reason not in REASONS:
         raise ValueError(f"reason must be one of {list(REASONS)}, got {reason!r}")
     units = measured.units

@@ -208,9 +208,11 @@ class DistributedExecutor(Executor):
                 "them, or use tensor_parallel=1"
             )
 
-    def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None]) -> None:
+    def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None],
+                  carrying: Sequence[torch.optim.Optimizer]) -> None:
         """The units whose pipeline rank changes move with their gradients and optimizer
-        state, then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
+        state (the known optimizers' and `carrying`'s), then the executor is rebuilt
+        (pipeline.execution.distributed.adoption)."""
         if self.layout.tensor_parallel > 1:
             raise ValueError(
                 f"a re-plan moves units between pipeline ranks, but with tensor_parallel="
@@ -218,6 +220,8 @@ class DistributedExecutor(Executor):
                 "the moves do not carry; build the Pipeline with the balance you want "
                 "(balance=[...]) instead of rebalancing"
             )
+        for optimizer in carrying:
+            self.optimizers.offer(optimizer)
         self.last_move = move_then_rebuild(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
 

@@ -7,7 +7,9 @@ with FSDP2 (DTensor shards); each process writes its own files (``__<rank>_<n>.d
 global rank 0 merges the index parts into one ``.metadata``; a resumed run's next loss equals
 the uninterrupted one's, and one process loads the pp=2 checkpoint at another layout. A
 process whose background write fails is named at once on global rank 0 (which waits for
-every process's files).
+every process's files). A `Checkpointer` save at pp=1 x dp=2 resumed at pp=2 is re-planned
+from the unit costs it kept (the elastic re-plan, agreed without pickling) and trains on with
+the uninterrupted run's loss.
 
 This file is also the worker: ``python <this file> WORKER OUT_DIR``."""
 
@@ -122,9 +124,48 @@ def _failed_background_write(out: Path) -> None:
     assert a.load_checkpoint(out / "failing", optimizer=opt) is None
 
 
+def _elastic_resume(out: Path) -> None:
+    """A `Checkpointer` save at pp=1 x dp=2 (balanced on global rank 0's profile) resumed at
+    pp=2 x dp=1 split uniformly (one block on stage 0, three on stage 1): the elastic re-plan
+    from the unit costs the checkpoint kept moves a block, carrying the plain optimizer built
+    before it, and the next loss is the uninterrupted run's (the same global batch)."""
+    from pipeline import Checkpointer, Pipeline
+
+    def run(stages: int, seed: int, balance: str) -> Any:
+        dp = 2 // stages
+        x, _ = global_batch(0, 8)
+        return Pipeline(make_model(seed), stages=stages, data_parallel=dp, microbatches=4 // dp,
+                        loss_fn=lm_loss, balance=balance, capture_method="fx",
+                        example_input=replica_slice(x, torch.distributed.get_rank() // stages, dp))
+
+    def step(pipe: Any, opt: torch.optim.Optimizer, i: int) -> float:
+        layout = pipe.distributed.layout
+        x, y = global_batch(i, 8)
+        pipe.zero_grad()
+        loss = pipe.step(replica_slice(x, layout.dp_rank, layout.data_parallel),
+                         replica_slice(y, layout.dp_rank, layout.data_parallel))
+        opt.step()
+        return float(loss)
+
+    a = run(1, 0, "profile")
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.01)
+    for i in range(2):
+        step(a, opt_a, i)
+    Checkpointer(a, out / "elastic", opt_a).save(2)
+    b = run(2, 7, "uniform")
+    opt_b = torch.optim.Adam(b.parameters(), lr=0.5)  # not known to the executor: carried
+    uniform = b.plan.sizes
+    resumed = Checkpointer(b, out / "elastic", opt_b).resume()
+    assert resumed is not None and resumed.replanned is not None, resumed
+    assert resumed.replanned.applied and b.plan.sizes != uniform, resumed
+    again, uninterrupted = step(b, opt_b, 2), step(a, opt_a, 2)
+    assert abs(again - uninterrupted) < 1e-9, (again, uninterrupted)
+
+
 def worker_nopickle(out: Path) -> None:
     init_worker()
     _forbid_object_collectives()
+    _elastic_resume(out)
     _save_and_resume(out, stages=2, dp=1, shard=None, async_save=False)
     _save_and_resume(out, stages=1, dp=2, shard="optimizer", async_save=True)
     _save_and_resume(out, stages=1, dp=2, shard="full", async_save=False)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from partitioner import partition
 from pipeline import Checkpointer, Pipeline
 from pipeline.app.models import GPT
 from tests.support.disk import FullDiskStream, full_disk
@@ -221,6 +222,47 @@ def test_checkpointer_resumes_at_another_stage_count(tmp_path: Path) -> None:
     for step in range(6, 8):
         torch.testing.assert_close(train(again, again_opt, step), losses[step], atol=1e-9,
                                    rtol=0)
+
+
+def test_resume_at_another_layout_replans_from_the_unit_costs_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The elastic re-plan: a run balanced on its profile at 2 stages saves; a run at 4
+    stages, split uniformly (2 of the 4 equal blocks on one stage), resumes from it
+    re-planned from the saved unit costs (`Planner.replan`, "elastic"; one block per stage,
+    no profiling) and trains on with the same losses."""
+    x0, _ = token_batch(0)
+    pipe = Pipeline(make_model(), stages=2, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
+                    example_input=x0)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    ckpt = Checkpointer(pipe, tmp_path / "ckpt", opt, every=2)
+    losses = []
+    for step in range(3):
+        losses.append(train(pipe, opt, step))
+        if step < 2:
+            ckpt.maybe_save(step + 1)
+    ckpt.close()
+    kept = dict(pipe.captured.costs)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the resumed run profiled")
+
+    monkeypatch.setattr("pipeline.planning.planner.profile", refuse)
+    again = Pipeline(make_model(9), stages=4, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
+                     balance="uniform", example_input=x0)
+    uniform = again.plan.sizes
+    again_opt = torch.optim.Adam(again.parameters(), lr=1.0)
+    resumed = Checkpointer(again, tmp_path / "ckpt", again_opt).resume()
+    assert resumed is not None and resumed.step == 2
+    report = resumed.replanned
+    assert report is not None and report.before == uniform, (report, uniform)
+    assert again.captured.costs == kept  # planned on the saving run's costs, as they were
+    balanced = partition(again.captured, 4, "profile").sizes
+    assert report.after == balanced != uniform and report.applied, report
+    assert again.plan.sizes == balanced
+    assert str(resumed).endswith(f"re-planned from the unit costs it kept: stages "
+                                 f"{uniform} -> {balanced}, applied"), str(resumed)
+    torch.testing.assert_close(train(again, again_opt, 2), losses[2], atol=1e-9, rtol=0)
 
 
 def test_checkpointer_refuses_bad_settings_and_foreign_checkpoints(tmp_path: Path) -> None:
