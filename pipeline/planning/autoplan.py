@@ -1,8 +1,12 @@
-"""The auto-planner: choose (pipeline ranks, data-parallel replicas, schedule, microbatches,
-virtual stages) for a profiled model by simulating every candidate through the one cost model
-(`pipeline.planning.costs`) under a per-device memory cap, and rank them by predicted step time.
+"""The auto-planner: choose (tensor-parallel ranks, pipeline ranks, data-parallel replicas,
+schedule, microbatches, virtual stages) for a profiled model by simulating every candidate
+through the one cost model (`pipeline.planning.costs`) under a per-device memory cap, and
+rank them by predicted step time.
 
-Model of one candidate (pp ranks x dp replicas = world size, global batch B):
+Model of one candidate (tp ranks x pp ranks x dp replicas = world size, global batch B):
+- tp > 1 (`widths`, pipeline.planning.tp_costs): every unit at its shard shapes plus its
+  collectives on the tp group, parameter bytes per tp rank; a tp group is one pipeline rank
+  of the simulation (its ranks run in step);
 - each replica runs B / dp samples in m microbatches; a microbatch's F/B/W seconds and
   activation bytes are the profiled ones scaled by its size over the profiled microbatch's
   (linear in samples: a fixed per-op cost would make small microbatches dearer than this says;
@@ -43,6 +47,7 @@ from pipeline.planning.costs import (
     with_policies,
 )
 from pipeline.planning.synthesis import OPTIMIZER_FACTOR, inflight_limits, synthesized
+from pipeline.planning.tp_costs import Width, whole
 from scheduler import SCHEDULES, SYNTH, Schedule, Timeline, build_schedule
 from scheduler.simulate import peak_held
 
@@ -65,6 +70,13 @@ class Candidate:
     peak_memory: tuple[float, ...]
     built: Schedule | None = field(default=None, compare=False, repr=False)
     activations: tuple[str, ...] = ()  # the policy per stage, when the search chose them
+    tp: int = 1  # tensor-parallel ranks per pipeline rank
+
+    def label(self) -> str:
+        """The layout in a few words."""
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} {self.schedule} "
+                f"m={self.microbatches}{v}")
 
     @property
     def max_memory(self) -> float:
@@ -91,6 +103,7 @@ class AutoPlan:
     pruned: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    widths: tuple[str, ...] = ()  # what each tensor-parallel degree tried splits
 
     @property
     def best(self) -> Candidate:
@@ -103,16 +116,35 @@ class AutoPlan:
             )
         return self.candidates[0]
 
+    def why(self) -> str:
+        """Why the best candidate won: its prediction against the runner-up and against the
+        best layout of every other tensor-parallel degree tried (or what ruled those out)."""
+        best = self.best
+        lines = [f"chosen {best.label()}: predicted {1e3 * best.step_time:.3f} ms per step, "
+                 f"peak {best.max_memory / 2**20:.1f} MiB per rank"]
+        others = [c for c in self.candidates[1:]]
+        if others:
+            c = others[0]
+            lines.append(f"  runner-up {c.label()}: {1e3 * c.step_time:.3f} ms "
+                         f"({c.step_time / best.step_time - 1:+.1%})")
+        for tp in sorted({c.tp for c in self.candidates} - {best.tp}):
+            c = min((c for c in self.candidates if c.tp == tp), key=lambda c: c.step_time)
+            lines.append(f"  best at tp={tp}: {c.label()}: {1e3 * c.step_time:.3f} ms "
+                         f"({c.step_time / best.step_time - 1:+.1%})")
+        lines.extend(f"  {w}" for w in self.widths)
+        return "\n".join(lines)
+
     def table(self, top: int = 20) -> str:
-        """The ranked table: (pp, dp, schedule, m, v), predicted step, bubble, peak memory."""
+        """The ranked table: (tp, pp, dp, schedule, m, v), predicted step, bubble, peak
+        memory; then the counts, and why the best won when several tp degrees were tried."""
         rows = [
-            f"{'#':>3} {'pp':>5} {'dp':>5} {'schedule':<17}{'m':>5}{'v':>3} {'step ms':>10} "
-            f"{'bubble':>7} {'peak MiB/rank (max; min..max)':>30}"
+            f"{'#':>3} {'tp':>3} {'pp':>5} {'dp':>5} {'schedule':<17}{'m':>5}{'v':>3} "
+            f"{'step ms':>10} {'bubble':>7} {'peak MiB/rank (max; min..max)':>30}"
         ]
         for i, c in enumerate(self.candidates[:top], 1):
             lo, hi = min(c.peak_memory) / 2**20, c.max_memory / 2**20
             rows.append(
-                f"{i:>3} {c.pp:>5} {c.dp:>5} {c.schedule:<17}{c.microbatches:>5}"
+                f"{i:>3} {c.tp:>3} {c.pp:>5} {c.dp:>5} {c.schedule:<17}{c.microbatches:>5}"
                 f"{c.virtual_stages:>3} {1e3 * c.step_time:>10.3f} {c.bubble:>7.1%} "
                 f"{f'{hi:.1f}; {lo:.1f}..{hi:.1f}':>30}"
             )
@@ -123,6 +155,8 @@ class AutoPlan:
             f"pruned by bound; {len(self.candidates)} kept; {self.seconds:.2f} s"
         )
         rows.extend(self.notes)
+        if len({c.tp for c in self.candidates}) > 1:
+            rows.append(self.why())
         return "\n".join(rows)
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,6 +169,7 @@ class AutoPlan:
             "pruned": self.pruned,
             "seconds": self.seconds,
             "notes": self.notes,
+            "widths": list(self.widths),
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -207,6 +242,7 @@ class Trial:
     base: StageCosts
     factor: float
     dp: int
+    tp: int = 1
 
 
 class Rejection(enum.Enum):
@@ -227,6 +263,7 @@ class _Group:
     schedule: str
     virtual_stages: int
     base: StageCosts
+    tp: int = 1
 
 
 class _Ranking:
@@ -238,6 +275,7 @@ class _Ranking:
         self.heap: list[tuple[float, int, Candidate]] = []
         self.simulated = self.over_memory = self.pruned = 0
         self.notes: list[str] = []
+        self.best_of: dict[int, Candidate] = {}  # the fastest of each tp degree
 
     def bound(self) -> float | None:
         """The step time a trial must beat to be kept (None while fewer than `keep`)."""
@@ -245,20 +283,27 @@ class _Ranking:
 
     def offer(self, candidate: Candidate) -> None:
         self.simulated += 1
+        mine = self.best_of.get(candidate.tp)
+        if mine is None or candidate.step_time < mine.step_time:
+            self.best_of[candidate.tp] = candidate
         entry = (-candidate.step_time, self.simulated, candidate)
         if len(self.heap) < self.keep:
             heapq.heappush(self.heap, entry)
         elif candidate.step_time < -self.heap[0][0]:
             heapq.heapreplace(self.heap, entry)
 
-    def configs(self) -> list[tuple[int, int, int]]:
-        """The kept (pp, m, v), fastest first, once each."""
+    def configs(self) -> list[tuple[int, int, int, int]]:
+        """The kept (tp, pp, m, v), fastest first, once each."""
         kept = sorted(self.heap, key=lambda e: (-e[0], e[1]))
-        return list(dict.fromkeys((c.pp, c.microbatches, c.virtual_stages) for _, _, c in kept))
+        return list(dict.fromkeys((c.tp, c.pp, c.microbatches, c.virtual_stages)
+                                  for _, _, c in kept))
 
     def ranked(self) -> list[Candidate]:
-        return sorted((c for _, _, c in self.heap),
-                      key=lambda c: (c.step_time, c.max_memory, c.pp, c.schedule))
+        """The kept candidates, and the fastest of each tp degree tried where none of its
+        is among them, fastest first."""
+        kept = [c for _, _, c in self.heap]
+        kept += [c for c in self.best_of.values() if all(c is not k for k in kept)]
+        return sorted(kept, key=lambda c: (c.step_time, c.max_memory, c.tp, c.pp, c.schedule))
 
 
 def search(
@@ -279,6 +324,7 @@ def search(
     keep: int = 20,
     synthesized_configs: int = 2,
     choose_activations: bool = False,
+    widths: Sequence[Width] | None = None,
 ) -> AutoPlan:
     """Rank configurations of a profiled `captured` model (profiled on microbatches of
     `profiled_batch` samples) for `world_size` devices and `batch_size` samples per step.
@@ -290,20 +336,25 @@ def search(
     `synthesized_configs` best (pp, m, v). With `choose_activations` (units priced by
     partitioner.activation_cost), each candidate runs the activation policy per stage that
     `pipeline.planning.activation_plan.choose` picks for its schedule under the limit, at
-    the time it adds. See the module docstring for the model."""
+    the time it adds. `widths`: the tensor-parallel degrees to try, each `captured` priced
+    at that degree (pipeline.planning.tp_costs.width; default tp=1 alone): pp then divides
+    world_size / tp. See the module docstring for the model."""
     started = time.perf_counter()
     names = _checked_names(world_size, batch_size, profiled_batch, memory_limit, schedules)
     nodes = len(captured)
-    pps = _pipeline_depths(pp, world_size, nodes)
+    tried = list(widths) if widths is not None else [whole(captured)]
+    _check_widths(tried, world_size)
     pricing = Pricing(optimizer_factor, latency, overhead, dp_bandwidth, memory_limit,
                       choose_activations)
     ranking = _Ranking(keep)
-    costs = _StageCostsCache(captured, ranking.notes)
-    for group in _groups(pps, names, virtual_stages, world_size, batch_size, nodes, costs,
-                         ranking.notes):
-        counts = (microbatches if microbatches is not None
-                  else default_microbatches(group.pp, group.per_replica))
-        _try_counts(group, counts, profiled_batch, pricing, ranking)
+    costs = _StageCostsCache(tried, ranking.notes)
+    for w in tried:
+        pps = _pipeline_depths(pp, world_size // w.tp, nodes)
+        for group in _groups(pps, names, virtual_stages, world_size // w.tp, batch_size,
+                             nodes, costs, ranking.notes, w.tp):
+            counts = (microbatches if microbatches is not None
+                      else default_microbatches(group.pp, group.per_replica))
+            _try_counts(group, counts, profiled_batch, pricing, ranking)
     if SYNTH in names and synthesized_configs > 0:
         _add_synthesized(ranking, costs, synthesized_configs, pricing, world_size=world_size,
                          batch_size=batch_size, profiled_batch=profiled_batch)
@@ -312,7 +363,15 @@ def search(
         candidates=ranking.ranked(), simulated=ranking.simulated,
         over_memory=ranking.over_memory, pruned=ranking.pruned,
         seconds=time.perf_counter() - started, notes=ranking.notes,
+        widths=tuple(w.describe() for w in tried if w.tp > 1),
     )
+
+
+def _check_widths(widths: Sequence[Width], world_size: int) -> None:
+    bad = [w.tp for w in widths if w.tp < 1 or world_size % w.tp]
+    if bad or not widths:
+        raise ValueError(f"tensor-parallel degrees {bad} must divide world_size={world_size} "
+                         "(give at least one)")
 
 
 def _checked_names(world_size: int, batch_size: int, profiled_batch: int,
@@ -344,42 +403,46 @@ def _pipeline_depths(pp: Sequence[int] | None, world_size: int, nodes: int) -> l
 
 
 class _StageCostsCache:
-    """The profiled costs of the graph cut into n stages, computed once per n (None, with a
-    note, when it cannot be cut so)."""
+    """The profiled costs of the graph cut into n stages at each tp degree, computed once per
+    (tp, n) (None, with a note, when it cannot be cut so)."""
 
-    def __init__(self, captured: Captured, notes: list[str]) -> None:
-        self.captured = captured
+    def __init__(self, widths: Sequence[Width], notes: list[str]) -> None:
+        self.widths = {w.tp: w for w in widths}
         self.notes = notes
-        self.cache: dict[int, StageCosts | None] = {}
+        self.cache: dict[tuple[int, int], StageCosts | None] = {}
 
-    def get(self, stages: int) -> StageCosts | None:
-        if stages not in self.cache:
+    def get(self, stages: int, tp: int = 1) -> StageCosts | None:
+        if (tp, stages) not in self.cache:
             try:
-                self.cache[stages] = costs_for_stages(self.captured, stages)
+                self.cache[(tp, stages)] = self.widths[tp].stage_costs(stages)
             except ValueError as err:  # e.g. fewer places to cut than stages
-                self.notes.append(f"{stages} stages: {err}")
-                self.cache[stages] = None
-        return self.cache[stages]
+                if tp == 1 or (1, stages) not in self.cache:
+                    self.notes.append(f"{stages} stages: {err}")
+                self.cache[(tp, stages)] = None
+        return self.cache[(tp, stages)]
 
 
 def _groups(
     pps: Sequence[int], names: Sequence[str], virtual_stages: Sequence[int] | None,
     world_size: int, batch_size: int, nodes: int, costs: _StageCostsCache, notes: list[str],
+    tp: int = 1,
 ) -> Iterator[_Group]:
-    """Every (pp, generator schedule, chunks) the graph and the batch allow."""
+    """Every (pp, generator schedule, chunks) the graph and the batch allow, on `world_size`
+    groups of `tp` ranks."""
     for p in pps:
         dp = world_size // p
         if batch_size % dp:
-            notes.append(f"pp={p}: batch {batch_size} does not split over dp={dp} replicas")
+            notes.append(f"tp={tp} pp={p}: batch {batch_size} does not split over dp={dp} "
+                         "replicas")
             continue
         for name in (n for n in names if n != SYNTH):
             for v in _variants(name, virtual_stages):
                 if p * v > nodes:
                     continue
-                base = costs.get(p * v)
+                base = costs.get(p * v, tp)
                 if base is None or (p == 1 and v > 1):
                     continue  # chunks on a single rank only repeat the one-chunk schedules
-                yield _Group(p, dp, batch_size // dp, name, v, base)
+                yield _Group(p, dp, batch_size // dp, name, v, base, tp)
 
 
 def _try_counts(group: _Group, counts: Sequence[int], profiled_batch: int, pricing: Pricing,
@@ -394,8 +457,12 @@ def _try_counts(group: _Group, counts: Sequence[int], profiled_batch: int, prici
             schedule = build_schedule(group.schedule, group.pp, m, group.virtual_stages)
         except ValueError:
             continue
-        trial = Trial(schedule, group.base, group.per_replica / m / profiled_batch, group.dp)
-        result = _evaluate(trial, pricing, ranking.bound())
+        trial = Trial(schedule, group.base, group.per_replica / m / profiled_batch, group.dp,
+                      group.tp)
+        # The first candidate of each tp degree is simulated whatever the bound: the
+        # ranking shows the best of every degree tried.
+        bound = ranking.bound() if group.tp in ranking.best_of else None
+        result = _evaluate(trial, pricing, bound)
         if result is Rejection.BOUND:
             ranking.pruned += 1
         elif isinstance(result, Rejection):
@@ -407,40 +474,43 @@ def _try_counts(group: _Group, counts: Sequence[int], profiled_batch: int, prici
 
 def _add_synthesized(ranking: _Ranking, costs: _StageCostsCache, configs: int, pricing: Pricing,
                      *, world_size: int, batch_size: int, profiled_batch: int) -> None:
-    """A schedule synthesised for each of the `configs` best kept (pp, m, v), offered as a
+    """A schedule synthesised for each of the `configs` best kept (tp, pp, m, v), offered as a
     candidate. One rank runs its actions back to back in any order: nothing to search there."""
-    best = [c for c in ranking.configs() if c[0] > 1]
-    for p, m, v in best[:configs]:
+    best = [c for c in ranking.configs() if c[1] > 1]
+    for tp, p, m, v in best[:configs]:
         if p * v * m > SYNTH_MAX_CELLS:
             ranking.notes.append(
                 f"synth: not searched for pp={p}, m={m}, v={v} (over {SYNTH_MAX_CELLS} stage x "
                 "microbatch cells, seconds or more; call scheduler.synthesize for it)")
             continue
-        dp = world_size // p
-        base = costs.get(p * v)
+        dp = world_size // tp // p
+        base = costs.get(p * v, tp)
         if base is None:
             continue
         factor = batch_size // dp / m / profiled_batch
-        candidate = _synthesized(base, p, m, v, dp, factor, pricing)
+        candidate = _synthesized(base, p, m, v, dp, factor, pricing, tp)
         if candidate is not None:
             ranking.offer(candidate)
 
 
 def predicted(
     captured: Captured, candidate: Candidate, batch_size: int, profiled_batch: int, *,
-    latency: float = 0.0, overhead: float = 0.0,
+    latency: float = 0.0, overhead: float = 0.0, width: Width | None = None,
 ) -> tuple[Schedule, Timeline]:
     """A candidate's schedule (its `built` one, or the generator's) and its predicted pipeline
-    Timeline, from the costs `search` used (memory curve in activation bytes)."""
+    Timeline, from the costs `search` used (memory curve in activation bytes); `width`: the
+    tensor-parallel costs `search` was given for the candidate's tp."""
     p, m, v = candidate.pp, candidate.microbatches, candidate.virtual_stages
     schedule = candidate.built or build_schedule(candidate.schedule, p, m, v)
     factor = batch_size / candidate.dp / m / profiled_batch
-    costs = _scaled(costs_for_stages(captured, schedule.num_stages), factor)
+    stages = (width.stage_costs(schedule.num_stages) if width is not None
+              else costs_for_stages(captured, schedule.num_stages))
+    costs = _scaled(stages, factor)
     return schedule, predict(schedule, costs, latency=latency, overhead=overhead)
 
 
 def _synthesized(base: StageCosts, p: int, m: int, v: int, dp: int, factor: float,
-                 pricing: Pricing) -> Candidate | None:
+                 pricing: Pricing, tp: int = 1) -> Candidate | None:
     """The candidate of a schedule synthesised for this (pp, m, v) from the scaled costs, in
     the memory the parameters leave (None if not even one microbatch fits)."""
     costs = _scaled(base, factor)
@@ -451,7 +521,7 @@ def _synthesized(base: StageCosts, p: int, m: int, v: int, dp: int, factor: floa
         return None
     schedule = synthesized(costs, p, m, limits, virtual_stages=v, latency=pricing.latency,
                            overhead=pricing.overhead)
-    result = _evaluate(Trial(schedule, base, factor, dp), pricing, None)
+    result = _evaluate(Trial(schedule, base, factor, dp, tp), pricing, None)
     return None if isinstance(result, Rejection) else replace(result, built=schedule)
 
 
@@ -495,6 +565,7 @@ def _evaluate(trial: Trial, pricing: Pricing, bound: float | None) -> Candidate 
         bubble=timeline.bubble_fraction,
         peak_memory=memory,
         activations=costs.policies,
+        tp=trial.tp,
     )
 
 

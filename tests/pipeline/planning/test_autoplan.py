@@ -118,9 +118,9 @@ def test_cli_plan_prints_the_ranked_table_and_writes_json(
     rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
     assert len(rows) == 5
     for row, cand in zip(rows, data["candidates"], strict=True):
-        assert row[1:6] == [str(cand["pp"]), str(cand["dp"]), cand["schedule"],
+        assert row[1:7] == [str(cand["tp"]), str(cand["pp"]), str(cand["dp"]), cand["schedule"],
                             str(cand["microbatches"]), str(cand["virtual_stages"])]
-        assert float(row[6]) == pytest.approx(1e3 * cand["step_time"], abs=1e-3)
+        assert float(row[7]) == pytest.approx(1e3 * cand["step_time"], abs=1e-3)
         assert max(cand["peak_memory"]) <= 64 * 2**20
     steps = [c["step_time"] for c in data["candidates"]]
     assert steps == sorted(steps)
