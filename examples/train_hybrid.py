@@ -17,7 +17,7 @@ run the command again with a larger --steps to train on. Under
 loses a machine restarts on the survivors and carries on
 (tests/pipeline/elastic/test_elastic_fault.py).
 ``--stages auto`` lets the auto-planner choose (stages, data_parallel) for the world. Several
-nodes: see pipeline.execution.distributed.
+nodes: see docs/distributed.md.
 """
 
 from __future__ import annotations

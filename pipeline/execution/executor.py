@@ -267,7 +267,7 @@ class Executor(ABC):
     def _runtimes(self) -> list[RankRuntime]:
         """The rank runtimes this process runs (none before `load`)."""
 
-    def adopt_code(self, codes: Sequence[StageCode]) -> None:
+    def run_code(self, codes: Sequence[StageCode]) -> None:
         """Run the held stages with `codes` (one per stage, in stage order; e.g. captured in
         the other train/eval mode): the same modules, parameters and buffers, other code."""
         held = self.held()

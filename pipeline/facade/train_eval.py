@@ -52,5 +52,5 @@ class ModeSwitch:
                     dynamic=pairs_for(inputs.rows, planner.dynamic_dims) | inputs.changed,
                 )
             self._codes[now] = [code_of(m) for m in stages]
-        executor.adopt_code(self._codes[now])
+        executor.run_code(self._codes[now])
         self.running = now

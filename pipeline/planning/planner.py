@@ -11,7 +11,7 @@ In one process the planner decides alone. Under torch.distributed the executor's
 other process follow (`agree`, carrying the records `FirstBatch` and `Partition`), so that all
 processes split the model the same way; each `agree` also checks that every process has the
 same settings (pipeline.planning.settings), and each piece of planning runs as a `phase` that
-the other processes hear about if it fails (pipeline.execution.distributed.agreement)."""
+the other processes hear about if it fails (`Coordination.phase`, which the executor gives)."""
 
 from __future__ import annotations
 

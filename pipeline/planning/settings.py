@@ -4,8 +4,8 @@ of a distributed job must share, as comparable text: every field of that record 
 this process's own (timeouts, devices), the schedule's text, the loss weighting, a fingerprint
 of the model's parameter names and shapes, and the structure and dtypes of each process's
 first batch; with the message naming every setting that differs, its value on each rank and
-the fix. The distributed executor compares them at setup
-(pipeline.execution.distributed.agreement); nothing here needs torch.distributed."""
+the fix. The executor's processes compare them at setup, through the agreement of its
+`Coordination` (pipeline.planning.decision); nothing here needs torch.distributed."""
 
 from __future__ import annotations
 

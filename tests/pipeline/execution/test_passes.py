@@ -90,11 +90,16 @@ def test_every_shared_field_is_compared_across_processes() -> None:
 
 
 def _assigned_into(tree: ast.AST) -> list[str]:
-    """`x.executor.attr = ...` / `x.planner.attr = ...` statements."""
+    """`x.executor.attr = ...` / `x.planner.attr = ...` statements, and `setattr` calls on
+    them."""
     found = []
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else (
             [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr"
+                and node.args):
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+            ast.copy_location(targets[0], node)
         for target in targets:
             if isinstance(target, ast.Attribute):
                 owner = target.value
