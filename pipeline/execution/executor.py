@@ -33,8 +33,9 @@ from pipeline.execution.stage_code import StageCode, take_code
 from pipeline.execution.stage_io import weighted_loss
 from pipeline.planning.activation_policies import Policy, stage_policies
 from pipeline.planning.decision import Coordination, Decision
+from pipeline.planning.measure import measure
 from pipeline.planning.microbatch import Microbatches, batch_size, merge_microbatches
-from pipeline.planning.planner import PlannerHooks, measure
+from pipeline.planning.planner import PlannerHooks
 from pipeline.planning.replan import median_stage_times
 from pipeline.planning.settings import PipelineSettings
 from scheduler import Schedule

@@ -18,7 +18,7 @@ from pipeline import checkpoint
 from pipeline.checkpoint.background import AsyncWriter
 from pipeline.execution.executor import Executor
 from pipeline.execution.materialize import InitFn, materialize, resolve_init
-from pipeline.planning.planner import on_meta
+from pipeline.planning.measure import on_meta
 
 # The fp16 loss scaler's state rides in a checkpoint's extra under this key (the same scale on
 # every process, so the one copy rank 0 writes is everyone's).

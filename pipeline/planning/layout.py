@@ -24,9 +24,10 @@ from torch.utils._pytree import tree_flatten
 
 from partitioner.capture import call_structure
 from pipeline.planning.autoplan import AutoPlan, search
+from pipeline.planning.custom_schedule import AUTO
 from pipeline.planning.decision import Coordination, Surveyed
 from pipeline.planning.microbatch import Batch, Microbatches, batch_size
-from pipeline.planning.planner import AUTO, Planner, PlannerHooks
+from pipeline.planning.planner import Planner, PlannerHooks
 from pipeline.planning.settings import PipelineSettings
 from scheduler import SCHEDULES, Schedule
 

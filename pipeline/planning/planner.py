@@ -1,10 +1,11 @@
-"""Planning, apart from running: the schedule (built by name or adopted from a custom one and
-validated), then capture -> profile -> partition -> split -> stage costs from one example
-microbatch. `Planner.plan` is the planning phase: it takes the first batch and returns the
-frozen `Decision` (pipeline.planning.decision) that an executor places and runs. A later
-batch that changes a dim the capture made static makes a new decision (`Planner.recaptured`),
-and so does a re-plan from measured costs (`Planner.replan`: a new partition or schedule); the
-planner itself holds only the settings.
+"""Planning, apart from running: the schedule (built by name, or a custom one:
+pipeline.planning.custom_schedule), then capture -> profile (pipeline.planning.measure) ->
+partition -> split -> stage costs from one example microbatch. `Planner.plan` is the
+planning phase: it takes the first batch and returns the frozen `Decision`
+(pipeline.planning.decision) that an executor places and runs. A later batch that changes a
+dim the capture made static makes a new decision (`Planner.recaptured`), and so does a re-plan
+from measured costs (`Planner.replan`: a new partition or schedule); the planner itself holds
+only the settings.
 
 In one process the planner decides alone. Under torch.distributed the executor's
 `Coordination` makes global rank 0 decide (microbatch count, example, plan, costs) and every
@@ -17,25 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
-from partitioner import Captured, CaptureError, capture, partition, profile, split_model
+from partitioner import Captured, CaptureError, capture, partition, split_model
 from partitioner.activation_cost import RunsOf, price_policies
-from partitioner.estimate import estimate
-from partitioner.rebind import rebind
-from partitioner.unit_costs import UnitCosts, with_policies
+from partitioner.unit_costs import with_policies
 from pipeline.planning.activation_plan import planned_activations
 from pipeline.planning.activation_policies import SELECTIVE_BUDGET, SELECTIVE_SAVE_OPS
 from pipeline.planning.autoplan import search
 from pipeline.planning.costs import stage_costs
+from pipeline.planning.custom_schedule import AUTO, checked_custom, load_custom
 from pipeline.planning.decision import (
     AutoChoice,
     CaptureInputs,
@@ -46,6 +43,13 @@ from pipeline.planning.decision import (
     Partition,
     Surveyed,
     with_activations_of,
+)
+from pipeline.planning.measure import (
+    UnitRunner,
+    as_meta,
+    measure,
+    on_meta,
+    real_buffers_on_meta,
 )
 from pipeline.planning.microbatch import Microbatches, batch_size
 from pipeline.planning.replan import Measured, Reason, Replanned, decide
@@ -61,10 +65,9 @@ from pipeline.planning.shapes import (
     with_dims,
 )
 from pipeline.planning.synthesis import OPTIMIZER_FACTOR
-from scheduler import SCHEDULES, Schedule, build_schedule, validate
+from scheduler import Schedule, build_schedule
 
 log = logging.getLogger("hybridpipe")
-UnitRunner = Callable[[torch.nn.Module], torch.nn.Module]
 
 
 @dataclass(frozen=True)
@@ -79,85 +82,6 @@ class PlannerHooks:
     unit_runner: Callable[[torch.nn.Module, bool], torch.nn.Module] | None = None
     block_runs: RunsOf | None = None
     price_threads: int = 1
-
-
-AUTO = "auto"
-
-
-def _load_custom(spec: object) -> Schedule | None:
-    if isinstance(spec, Schedule):
-        return spec
-    if isinstance(spec, str) and (spec in SCHEDULES or spec == AUTO):
-        return None
-    if isinstance(spec, (str, os.PathLike)):
-        path = Path(spec)
-        if path.is_file():
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"schedule file {str(spec)!r} is not text (byte {err.start} is "
-                    f"{err.object[err.start:err.start + 1]!r}, not UTF-8); give a text file "
-                    "with one line of actions per rank, e.g. written by Schedule.to_text()"
-                ) from None
-            return Schedule.from_text(text, name=path.stem)
-        raise ValueError(
-            f"schedule {str(spec)!r} is neither a known schedule nor a file; choose one of "
-            f"{sorted(SCHEDULES)}, pass a scheduler.Schedule, or a schedule text file's path"
-        )
-    raise TypeError(
-        f"schedule must be a name, a path or a scheduler.Schedule, got {type(spec).__name__}"
-    )
-
-
-@contextmanager
-def real_buffers_on_meta(model: torch.nn.Module) -> Iterator[Callable[..., None]]:
-    """For a model whose parameters are on meta but some buffers real (`pipeline.meta_init`):
-    stand in meta copies for the real buffers while planning captures and estimates it on
-    meta (an op mixing the devices would fail), then put the real ones back in the model and,
-    through the callback, in the modules planning made (captured graph, stage modules)."""
-    real = [b for b in model.buffers() if not b.is_meta]
-    if not on_meta(model) or not real:
-        yield lambda *holders: None
-        return
-    stand_ins = {id(b): b.to("meta") for b in real}
-    back = {id(m): b for m, b in zip(rebind([model], stand_ins), real, strict=True)}
-    restored = False
-
-    def restore(*holders: torch.nn.Module | None) -> None:
-        nonlocal restored
-        rebind([model, *(h for h in holders if h is not None)], back)
-        restored = True
-
-    try:
-        yield restore
-    finally:
-        if not restored:
-            rebind([model], back)
-
-
-def on_meta(model: torch.nn.Module) -> bool:
-    """Whether the model was built on the meta device (any parameter or buffer there)."""
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def _as_meta(value: Any) -> Any:
-    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
-
-
-def measure(captured: Captured, model: torch.nn.Module, example: tuple[Any, ...],
-            device: torch.device, runner: UnitRunner | None = None,
-            units: set[str] | None = None) -> dict[str, UnitCosts]:
-    """The captured units' costs: profiled, or estimated (FLOPs + bytes on meta,
-    partitioner.estimate) when the model is on the meta device. `runner(unit)`: what runs a
-    unit when it is timed (its compiled form under ``compile=``; partitioner.profile).
-    `units`: time only these (see partitioner.profile)."""
-    if on_meta(model):
-        return estimate(captured, example, device=device)
-    # A meta model materialised since it was captured: time it on zeros of those shapes.
-    real = tree_map(lambda t: torch.zeros_like(t, device="cpu")
-                    if isinstance(t, torch.Tensor) and t.is_meta else t, example)
-    return profile(captured, model, real, device=device, runner=runner, units=units)
 
 
 def _capture_rows(args: tuple[Any, ...], example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -222,7 +146,7 @@ class Planner:
         self.leaf_modules = settings.leaf_modules
         self.schedule_spec = schedule
         given = microbatches if isinstance(microbatches, int) else None
-        custom = _load_custom(schedule)
+        custom = load_custom(schedule)
         if custom is not None and self.auto:
             raise ValueError(
                 f"a custom schedule ({custom.name!r}) fixes microbatches and chunks; drop "
@@ -230,7 +154,7 @@ class Planner:
             )
         # The schedule when it is known before the first batch (else None).
         self.schedule: Schedule | None = (
-            self._checked_custom(custom, given) if custom is not None
+            checked_custom(custom, self.ranks, given, self.virtual_stages) if custom is not None
             else self._build(given) if given is not None and not self.auto else None
         )
         # The microbatches per batch when known before the first batch.
@@ -252,31 +176,6 @@ class Planner:
         return build_schedule(
             str(self.schedule_spec), self.ranks, microbatches, self.virtual_stages
         )
-
-    def _checked_custom(self, schedule: Schedule, microbatches: int | None) -> Schedule:
-        """Check a custom schedule against the settings and validate it."""
-        if schedule.num_ranks != self.ranks:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but stages="
-                f"{self.ranks}; make them equal"
-            )
-        if microbatches not in (None, schedule.num_microbatches):
-            raise ValueError(
-                f"schedule {schedule.name!r} runs {schedule.num_microbatches} microbatches but "
-                f"microbatches={microbatches}; drop microbatches or make them equal"
-            )
-        if self.virtual_stages not in (None, schedule.virtual_stages):
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.virtual_stages} stages per rank but "
-                f"virtual_stages={self.virtual_stages}; drop virtual_stages or make them equal"
-            )
-        if schedule.num_stages % schedule.num_ranks:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_stages} stages on "
-                f"{schedule.num_ranks} ranks; give every rank the same number of stages"
-            )
-        validate(schedule)
-        return schedule
 
     # -- the planning phase -----------------------------------------------------------------------
 
@@ -322,7 +221,7 @@ class Planner:
                 "needs a batch of inputs for the first step/forward (or example_input=...)"
             )
         if on_meta(self.model):  # capture and estimate on meta: nothing is allocated
-            args = _as_meta(args)
+            args = as_meta(args)
         size = batch_size(args, "inputs")
         m = self.microbatches if self.microbatches is not None else min(2 * self.ranks, size)
         example = _first_microbatch(args, m)
@@ -346,7 +245,7 @@ class Planner:
         ``min(2 x ranks, batch)`` rows of `args` (as `plan` would), before the layout is
         chosen."""
         if on_meta(self.model):
-            args = _as_meta(args)
+            args = as_meta(args)
         example = _first_microbatch(args, min(2 * self.ranks, batch_size(args, "inputs")))
         inputs = CaptureInputs(call_spec, _capture_rows(args, example))
         captured = self._capture(inputs)

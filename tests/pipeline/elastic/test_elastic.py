@@ -247,7 +247,7 @@ def test_resume_at_another_layout_replans_from_the_unit_costs_kept(
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the resumed run profiled")
 
-    monkeypatch.setattr("pipeline.planning.planner.profile", refuse)
+    monkeypatch.setattr("pipeline.planning.measure.profile", refuse)
     again = Pipeline(make_model(9), stages=4, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
                      balance="uniform", example_input=x0)
     uniform = again.plan.sizes
