@@ -5,8 +5,9 @@ live and nothing left behind, so the next save that fits succeeds (also after a 
 full-disk failure); a damaged or truncated data file, or a damaged DCP index, is a ValueError
 naming the file that changes nothing; a wait for a slow save is bounded and can be repeated;
 `Checkpointer` resumes at another stage count with the losses, optimizer and RNG state of the
-uninterrupted run (float64, 1e-9), and falls back to an older retained version when the live
-one is damaged; stages="auto" outside torchrun is refused."""
+uninterrupted run (float64, 1e-9), re-planned first from the unit costs the checkpoint kept
+(the elastic re-plan) when the resumed Pipeline is planned, and falls back to an older retained
+version when the live one is damaged; stages="auto" outside torchrun is refused."""
 
 from __future__ import annotations
 
