@@ -234,7 +234,7 @@ def test_resume_at_another_layout_replans_from_the_unit_costs_kept(
     no profiling) and trains on with the same losses."""
     x0, _ = token_batch(0)
     pipe = Pipeline(make_model(), stages=2, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
-                    example_input=x0)
+                    example_input=x0, capture_method="fx")  # fx: 0.1 s, export seconds
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     ckpt = Checkpointer(pipe, tmp_path / "ckpt", opt, every=2)
     losses = []
@@ -250,7 +250,7 @@ def test_resume_at_another_layout_replans_from_the_unit_costs_kept(
 
     monkeypatch.setattr("pipeline.planning.measure.profile", refuse)
     again = Pipeline(make_model(9), stages=4, schedule="1f1b", microbatches=4, loss_fn=lm_loss,
-                     balance="uniform", example_input=x0)
+                     balance="uniform", example_input=x0, capture_method="fx")
     uniform = again.plan.sizes
     again_opt = torch.optim.Adam(again.parameters(), lr=1.0)
     resumed = Checkpointer(again, tmp_path / "ckpt", again_opt).resume()
