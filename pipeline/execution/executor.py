@@ -143,10 +143,11 @@ class Executor(ABC):
     def adopt(self, decision: Decision, *,
               carrying: Sequence[torch.optim.Optimizer] = ()) -> None:
         """Run `decision` from the next call on: after `load`, the one place the running
-        decision changes (a re-plan, costs profiled later, a capture kept). With the same
-        stages and schedule it is taken as it is; otherwise the stages are placed anew for it,
-        the units that change hands moving to their new holders first (`_relocate`), with
-        their state in `carrying` besides the optimizers the executor knows."""
+        decision changes (a re-plan, costs profiled later, a capture kept or made anew for a
+        new input shape). With the same stages and schedule it is taken as it is; otherwise
+        the stages are placed anew for it, the units that change hands moving to their new
+        holders first (`_relocate`), with their state in `carrying` besides the optimizers
+        the executor knows."""
         old = self.planned
         if old is None:
             raise RuntimeError("the executor has no plan yet; call load first")

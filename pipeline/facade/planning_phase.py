@@ -170,10 +170,7 @@ class PlanningPhase:
         with self.executor.setting_up():
             with self.executor.precision.planning(self.executor.devices):
                 new = self.planner.recaptured(decision, split, self.executor.coordination)
-            if new.captured is not decision.captured:
-                self.load(new)
-            else:
-                self.executor.adopt(new)
+            self.executor.adopt(new)  # a new capture's stages are placed anew
             decision = new
         for part in split.parts:
             check_inputs(decision.captured, part)
