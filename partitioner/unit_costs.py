@@ -88,9 +88,20 @@ def with_policies(costs: Mapping[str, UnitCosts], policies: Mapping[str, PolicyC
 
 
 def costs_as_data(costs: Mapping[str, UnitCosts]) -> dict[str, dict[str, Any]]:
-    """`costs` as plain data (numbers, strings, None, dicts), e.g. for a checkpoint, which
-    loads with ``torch.load(weights_only=True)``; `costs_from_data` reads it back equal."""
-    return {v: dataclasses.asdict(c) for v, c in costs.items()}
+    """`costs` as plain data (Python floats, strings, None, dicts), e.g. for a checkpoint,
+    which loads with ``torch.load(weights_only=True)``; `costs_from_data` reads it back
+    equal."""
+    return {v: _plain(dataclasses.asdict(c)) for v, c in costs.items()}
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every mapping a dict and every number a Python float (a NumPy or torch
+    scalar would not load back with weights_only)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    return float(value)
 
 
 def costs_from_data(data: Mapping[str, Mapping[str, Any]]) -> dict[str, UnitCosts]:

@@ -103,3 +103,25 @@ def test_measured_spread_lengthens_the_predicted_step_and_is_reproducible() -> N
     assert predict(schedule, idle, overhead=0.1, spread=spread).step_time == pytest.approx(
         predict(schedule, idle, overhead=0.1).step_time
     )
+
+
+def test_unit_costs_round_trip_through_a_checkpoints_plain_data() -> None:
+    """What a checkpoint keeps of the unit costs (costs_as_data) loads back with
+    weights_only=True, equal, a NumPy scalar and the policy prices included."""
+    import io
+
+    import numpy as np
+
+    from partitioner.unit_costs import PolicyCosts, costs_as_data, costs_from_data
+
+    costs = {"a": UnitCosts(forward=1.5, input_grad=2.0, source="estimate",
+                            forward_flops=3.0, policies=PolicyCosts(
+                                kept={"none": 1.0}, kept_later={"none": 2.0},
+                                added={"full": 0.3}, recompute_flops={"full": 5.0},
+                                held_to_w={}, offload_time=None)),
+             "b": UnitCosts(weight_grad=np.float64(0.25))}  # a float subclass
+    buffer = io.BytesIO()
+    torch.save(costs_as_data(costs), buffer)
+    buffer.seek(0)
+    back = costs_from_data(torch.load(buffer, weights_only=True))
+    assert back == costs and type(back["b"].weight_grad) is float
