@@ -103,7 +103,9 @@ class Pipeline:
     - ``tensor_parallel``: processes sharing each stage's width (torchrun; world =
       data_parallel x stages x tensor_parallel, tp ranks consecutive); the plan is derived
       from the captured graph (Megatron pairs, attention by heads, vocab-parallel embedding),
-      see docs/tensor-parallel.md.
+      see docs/tensor-parallel.md. "auto" (torchrun, with ``example_input=``): the
+      auto-planner chooses it with the layout among the divisors of the world inside a node,
+      each priced at its shard shapes with its collectives (``pipe.autoplan.why()``).
     - ``tp_plan``: instead, rules ``{"module path glob": "colwise" | "rowwise" |
       "replicate"}`` (or torch's ColwiseParallel / RowwiseParallel); ``pipe.tp_plan`` shows
       what was applied.
@@ -143,7 +145,7 @@ class Pipeline:
         shard: str | None = None, reduce_dtype: torch.dtype | None = None,
         compile: bool | dict[str, Any] = False,  # noqa: A002 - torch.compile's name
         compile_timeout: float | None = None,
-        tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None,
+        tensor_parallel: int | str = 1, tp_plan: Mapping[str, Any] | None = None,
         sequence_parallel: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -164,13 +166,13 @@ class Pipeline:
             sequence_parallel=sequence_parallel,
         )
         layout = job = None
-        if settings.stages == "auto":  # planning's first step: the layout for the world
+        if "auto" in (settings.stages, settings.tensor_parallel):  # the layout for the world
             layout, job = auto_layout(model, example_input, settings)
             self._layouts, example_input = layout.ranking, layout.example
             settings = settings.laid_out(
                 stages=layout.stages, data_parallel=layout.data_parallel,
                 schedule=layout.schedule, microbatches=layout.microbatches,
-                virtual_stages=layout.virtual_stages)
+                virtual_stages=layout.virtual_stages, tensor_parallel=layout.tensor_parallel)
         self.settings: PipelineSettings = settings
         self.stages = settings.ranks
         self.loss_fn = loss_fn
@@ -371,7 +373,8 @@ class Pipeline:
     @property
     def autoplan(self) -> AutoPlan | None:
         """The auto-planner's ranked candidates when a setting was "auto" (else None); for
-        ``stages="auto"`` the (stages, data_parallel) layouts ranked for this world."""
+        ``stages="auto"`` / ``tensor_parallel="auto"`` the (tensor_parallel, stages,
+        data_parallel) layouts ranked for this world (``.why()``: why the best won)."""
         auto = self._setup.require_plan().auto  # the explanatory error before the first batch
         return auto.ranking if auto is not None else self._layouts
 

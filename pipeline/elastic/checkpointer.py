@@ -188,7 +188,7 @@ class Checkpointer:
     def _planned_on(self, units: dict[str, Any]) -> bool:
         """Whether this Pipeline is planned, on these units, in a way a re-plan may change."""
         pipe = self.pipe
-        if pipe.settings.tensor_parallel > 1 or not isinstance(pipe.balance, str):
+        if pipe.settings.tp_degree > 1 or not isinstance(pipe.balance, str):
             return False
         try:
             order = pipe.captured.order

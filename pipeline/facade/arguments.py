@@ -55,20 +55,25 @@ def _check_layout(stages: object, microbatches: object, virtual_stages: object,
 
 
 def _check_width(stages: object, tensor_parallel: object, tp_plan: object,
-                 sequence_parallel: object) -> int:
-    """The tensor-parallel settings; the tensor-parallel degree."""
-    tp = check_int(tensor_parallel, "tensor_parallel", 1,
-                   "give the processes each stage is sharded over (1: none)")
-    if tp > 1 and not dist.is_initialized():
+                 sequence_parallel: object) -> int | str:
+    """The tensor-parallel settings; the tensor-parallel degree ("auto": chosen with the
+    layout, pipeline.planning.layout)."""
+    tp: int | str
+    if tensor_parallel == "auto":
+        if not dist.is_initialized():
+            raise ValueError(
+                'tensor_parallel="auto" chooses the tensor-parallel ranks for the world size '
+                "under torchrun; launch with torchrun, or give tensor_parallel=N")
+        tp = "auto"
+    else:
+        tp = check_int(tensor_parallel, "tensor_parallel", 1,
+                       'give the processes each stage is sharded over (1: none), or "auto"')
+    if isinstance(tp, int) and tp > 1 and not dist.is_initialized():
         raise ValueError(
             f"tensor_parallel={tp} shards each stage over {tp} processes: tensor parallelism "
             "needs torchrun (torch.distributed initialised); launch with torchrun (world = "
             "data_parallel x stages x tensor_parallel), or use tensor_parallel=1"
         )
-    if stages == "auto" and tp != 1:
-        raise ValueError(
-            f"stages='auto' does not choose a layout with tensor_parallel={tp} yet; give "
-            "stages (world = data_parallel x stages x tensor_parallel)")
     if tp_plan is not None:
         if not isinstance(tp_plan, Mapping) or not all(isinstance(k, str) for k in tp_plan):
             raise TypeError(f"tp_plan must map module path globs (str) to a style, got "
@@ -115,7 +120,7 @@ def check_settings(
     capture_method: str, mixed_precision: torch.dtype | None, dynamic_dims: Sequence[int],
     grad_accumulation: str, shard: str | None, reduce_dtype: torch.dtype | None,
     compile: bool | Mapping[str, Any],  # noqa: A002 - torch.compile's name
-    compile_timeout: float | None, tensor_parallel: int = 1,
+    compile_timeout: float | None, tensor_parallel: int | str = 1,
     tp_plan: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
 ) -> PipelineSettings:
     """`Pipeline(...)`'s arguments checked (TypeError / ValueError naming the value and the

@@ -187,7 +187,8 @@ def auto_layout(
     executor takes it over); under ``compile=`` the units are profiled compiled, as the stages
     will run them."""
     check_layout_settings(example_input, schedule=settings.schedule,
-                          microbatches=settings.microbatches, data_parallel=settings.data_parallel)
+                          microbatches=settings.microbatches, data_parallel=settings.data_parallel,
+                          what="stages" if settings.stages == "auto" else "tensor_parallel")
     job = job_before_layout(settings.timeout)
     options = compile_options(settings.compile) if settings.shard != "full" else None
     choice = choose_layout(

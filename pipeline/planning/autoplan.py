@@ -136,12 +136,18 @@ class AutoPlan:
 
     def table(self, top: int = 20) -> str:
         """The ranked table: (tp, pp, dp, schedule, m, v), predicted step, bubble, peak
-        memory; then the counts, and why the best won when several tp degrees were tried."""
+        memory (the `top` rows, and the best of each tp degree below them); then the counts,
+        and why the best won when several tp degrees were tried."""
         rows = [
             f"{'#':>3} {'tp':>3} {'pp':>5} {'dp':>5} {'schedule':<17}{'m':>5}{'v':>3} "
             f"{'step ms':>10} {'bubble':>7} {'peak MiB/rank (max; min..max)':>30}"
         ]
-        for i, c in enumerate(self.candidates[:top], 1):
+        first = {}  # the best of each tp degree is shown even below the top rows
+        for c in self.candidates:
+            first.setdefault(c.tp, c)
+        shown = [(i, c) for i, c in enumerate(self.candidates, 1)
+                 if i <= top or first[c.tp] is c]
+        for i, c in shown:
             lo, hi = min(c.peak_memory) / 2**20, c.max_memory / 2**20
             rows.append(
                 f"{i:>3} {c.tp:>3} {c.pp:>5} {c.dp:>5} {c.schedule:<17}{c.microbatches:>5}"

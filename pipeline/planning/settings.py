@@ -48,9 +48,9 @@ class PipelineSettings:
     """Every setting of ``Pipeline(...)`` but the model, the loss and the data (their meaning
     is in the `Pipeline` docstring), as checked once by pipeline.facade.arguments: the planner
     and the executor are built with it and nothing is assigned into them afterwards. `stages`
-    is "auto" until the layout is chosen (`laid_out`). `compile` is None (eager) or the
-    torch.compile arguments; `tensor_parallel`, `tp_plan` and `sequence_parallel` are the
-    width of each stage (docs/tensor-parallel.md)."""
+    (and `tensor_parallel`) is "auto" until the layout is chosen (`laid_out`). `compile` is
+    None (eager) or the torch.compile arguments; `tensor_parallel`, `tp_plan` and
+    `sequence_parallel` are the width of each stage (docs/tensor-parallel.md)."""
 
     stages: int | str
     schedule: str | os.PathLike[str] | Schedule = "1f1b"
@@ -69,7 +69,7 @@ class PipelineSettings:
     grad_accumulation: str = "atomic"
     shard: str | None = None
     compile: Mapping[str, Any] | None = None
-    tensor_parallel: int = 1
+    tensor_parallel: int | str = 1
     tp_plan: Mapping[str, Any] | None = None
     sequence_parallel: bool = False
     devices: tuple[torch.device, ...] | None = field(default=None, metadata=_OWN)
@@ -88,14 +88,26 @@ class PipelineSettings:
         """checkpoint_activations="auto": the planner chooses a policy per stage."""
         return self.checkpoint_activations == "auto"
 
+    @property
+    def tp_degree(self) -> int:
+        """The tensor-parallel ranks per stage (`tensor_parallel` once the layout is chosen)."""
+        if not isinstance(self.tensor_parallel, int):
+            raise RuntimeError('tensor_parallel="auto" has no layout yet: use '
+                               "PipelineSettings.laid_out")
+        return self.tensor_parallel
+
     def laid_out(
         self, *, stages: int, data_parallel: int, schedule: str | Schedule, microbatches: int,
-        virtual_stages: int,
+        virtual_stages: int, tensor_parallel: int | None = None,
     ) -> PipelineSettings:
-        """These settings with the layout stages="auto" chose for the world."""
+        """These settings with the layout stages="auto" (or tensor_parallel="auto") chose for
+        the world; sequence parallelism only where the chosen tp splits anything."""
+        tp = self.tensor_parallel if tensor_parallel is None else tensor_parallel
         return dataclasses.replace(
             self, stages=stages, data_parallel=data_parallel, schedule=schedule,
-            microbatches=microbatches, virtual_stages=virtual_stages,
+            microbatches=microbatches, virtual_stages=virtual_stages, tensor_parallel=tp,
+            sequence_parallel=self.sequence_parallel and tp != 1,
+            tp_plan=self.tp_plan if tp != 1 else None,
         )
 
 

@@ -104,7 +104,7 @@ class DistributedExecutor(Executor):
     ) -> None:
         stages = settings.ranks
         ctx = DistContext(stages, settings.data_parallel, timeout=settings.timeout,
-                          agreement=agreement, tensor_parallel=settings.tensor_parallel)
+                          agreement=agreement, tensor_parallel=settings.tp_degree)
         self.context: DistContext = ctx
         self.devices = [ctx.device] * stages
         super().__init__(settings)

@@ -164,7 +164,9 @@ def worker_tp(out: Path) -> None:
     import torch.distributed as dist
 
     from pipeline.planning import planner
+    from tests.pipeline.execution.distributed.test_tp_auto import auto_layout_case
     from tests.support.capture_memo import memo_capture
+    from tests.support.models import lm_loss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -191,6 +193,7 @@ def worker_tp(out: Path) -> None:
     _check("llama", 2, "1f1b", sequence_parallel=True)
     pipe = _check("gpt2", 1, "zb-h1", sequence_parallel=True)
     _count_collectives(pipe, 3, "gpt2 sp", sequence_parallel=True)
+    print(f"worker tp auto: {auto_layout_case(_build, _batch, lm_loss)}", flush=True)
     dist.destroy_process_group()
     print("worker tp: every check ran", flush=True)
 
@@ -200,7 +203,7 @@ WORKERS = {"tp": worker_tp}
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    return launch("tp", 4, tmp_path_factory.mktemp("tp"), deadline=290.0, script=__file__,
+    return launch("tp", 4, tmp_path_factory.mktemp("tp"), deadline=400.0, script=__file__,
                   preload=HF_MODULES)
 
 
@@ -213,6 +216,13 @@ def test_pp2_tp2_equals_unsplit(tp_run: list[Any]) -> None:
 @pytest.mark.slow
 def test_tp2_with_replicas_and_collectives(tp_run: list[Any]) -> None:
     all_ok(tp_run, "tp")
+
+
+@pytest.mark.slow
+def test_auto_layout_chooses_tp_and_trains_exactly(tp_run: list[Any]) -> None:
+    """stages="auto", tensor_parallel="auto" (test_tp_auto.auto_layout_case)."""
+    assert all("worker tp auto: chose" in e.output for e in tp_run), \
+        "\n".join(e.output[-3000:] for e in tp_run)
 
 
 if __name__ == "__main__":
