@@ -22,7 +22,7 @@ shard shapes (pipeline.planning.tp_costs)."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -215,6 +215,38 @@ def unit_work(captured: Captured, plan: TPPlan, sequence_parallel: bool = False,
         out[name] = UnitWork(share=sh / s if s else 0.0, held_share=split / b if b else 0.0,
                              collectives=tuple(collectives.get(i, ())), ops=int(ops))
     return out
+
+
+def unit_parameters(captured: Captured) -> dict[str, list[str]]:
+    """Per unit: the names of the parameters its ops read (each once, in graph order)."""
+    gm = captured.graph_module
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    out: dict[str, list[str]] = {u: [] for u in captured.order}
+    for node in gm.graph.nodes:
+        unit = captured.unit_of.get(node.name)
+        if unit is None:
+            continue
+        held = out[captured.order[unit]]
+        for read in node.all_input_nodes:
+            name = str(read.target)
+            if read.op == "get_attr" and name in params and name not in held:
+                held.append(name)
+    return out
+
+
+def stage_lines(captured: Captured, plan: TPPlan,
+                stages: Sequence[Sequence[str]]) -> list[str]:
+    """Per stage (unit names), a short line of what `plan` splits there: parameters split
+    of those held, and the parameter bytes one tp rank holds."""
+    held = unit_parameters(captured)
+    lines = []
+    for units in stages:
+        names = list(dict.fromkeys(n for u in units for n in held.get(u, ())))
+        split = sum(1 for n in names if plan.dim(n) is not None)
+        mine = plan.bytes_per_rank(names)
+        lines.append(f"tp={plan.degree}: {split}/{len(names)} split, "
+                     f"{mine / 2**20:.3g} MiB/rank")
+    return lines
 
 
 def parameter_share(captured: Captured, plan: TPPlan) -> dict[str, float]:

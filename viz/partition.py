@@ -60,6 +60,7 @@ def plot_partition(
     *,
     max_nodes: int = 60,
     title: str | None = None,
+    stage_notes: Sequence[str] | None = None,
 ) -> Figure:
     """Per-stage predicted time, forward/backward/transfer stacked (transfer is stage_costs
     minus forward and backward), with the lower bound as a dashed line, each boundary's cut
@@ -68,7 +69,9 @@ def plot_partition(
 
     With `graph` (from partitioner.capture), a second panel draws its nodes in execution order
     coloured by stage; a graph of more than `max_nodes` nodes is condensed into one node per
-    (stage, module prefix), sized by how many nodes it holds. Returns the Figure.
+    (stage, module prefix), sized by how many nodes it holds. `stage_notes`: a line per stage
+    under its tick (the tensor-parallel plan there, partitioner.tp_work.stage_lines). Returns
+    the Figure.
     """
     missing = [name for name in _PLAN_FIELDS if not hasattr(plan, name)]
     if missing:
@@ -79,6 +82,8 @@ def plot_partition(
     if max_nodes < 2:
         raise ValueError(f"max_nodes must be at least 2, got {max_nodes}")
     num_stages = len(plan.stages)
+    if stage_notes is not None and len(stage_notes) != num_stages:
+        raise ValueError(f"stage_notes has {len(stage_notes)} lines for {num_stages} stages")
     for name in ("forward_times", "backward_times", "stage_costs"):
         if len(getattr(plan, name)) != num_stages:
             raise ValueError(
@@ -86,21 +91,21 @@ def plot_partition(
             )
     if graph is None:
         fig = Figure(figsize=(max(6.0, 1.2 * num_stages + 3.0), 4.2), layout="constrained")
-        _draw_costs(fig.add_subplot(), plan)
+        _draw_costs(fig.add_subplot(), plan, stage_notes)
     else:
         items, edges, condensed = _graph_items(graph, plan, max_nodes)
         cols = min(len(items), 12)
         rows = max(1, math.ceil(len(items) / max(cols, 1)))
         fig = Figure(figsize=(11.0, 4.6 + 1.15 * rows), layout="constrained")
         top, bottom = fig.subplots(2, 1, height_ratios=[4.0, 1.15 * rows + 0.6])
-        _draw_costs(top, plan)
+        _draw_costs(top, plan, stage_notes)
         _draw_graph(bottom, graph, items, edges, condensed, cols, num_stages)
     if title is not None:
         fig.suptitle(title, x=0.01, ha="left", fontweight="bold")
     return save(fig, path)
 
 
-def _draw_costs(ax: Axes, plan: PlanLike) -> None:
+def _draw_costs(ax: Axes, plan: PlanLike, notes: Sequence[str] | None = None) -> None:
     n = len(plan.stages)
     forward = [float(t) for t in plan.forward_times]
     backward = [float(t) for t in plan.backward_times]
@@ -114,7 +119,7 @@ def _draw_costs(ax: Axes, plan: PlanLike) -> None:
     )
     if max(forward + backward, default=0.0) <= 0:
         # Not profiled (balanced by parameters or node count): show what was balanced.
-        _draw_sizes(ax, plan)
+        _draw_sizes(ax, plan, notes)
         return
     factor, label = time_scale(peak, "s")
     xs = list(range(n))
@@ -144,7 +149,7 @@ def _draw_costs(ax: Axes, plan: PlanLike) -> None:
     )
     for x, total in zip(xs, bottom, strict=True):
         ax.text(x, total, f"{total:.3g}", ha="center", va="bottom", fontsize="small")
-    _stage_axis(ax, plan, peak * factor)
+    _stage_axis(ax, plan, peak * factor, notes)
     ax.set_ylabel(f"predicted {label}")
     ax.set_title(
         f"partition ({plan.method}): imbalance {float(plan.imbalance):.3g} (max / mean), "
@@ -154,7 +159,7 @@ def _draw_costs(ax: Axes, plan: PlanLike) -> None:
     )
 
 
-def _draw_sizes(ax: Axes, plan: PlanLike) -> None:
+def _draw_sizes(ax: Axes, plan: PlanLike, notes: Sequence[str] | None = None) -> None:
     """Parameter bytes per stage (node counts when the plan has none), for unprofiled plans."""
     params = getattr(plan, "stage_params", None)
     if params is not None and len(params) == len(plan.stages) and sum(params) > 0:
@@ -167,7 +172,7 @@ def _draw_sizes(ax: Axes, plan: PlanLike) -> None:
     for x, value in enumerate(values):
         ax.text(x, value, f"{value:.3g}", ha="center", va="bottom", fontsize="small")
     mean = sum(values) / len(values) if values else 0.0
-    _stage_axis(ax, plan, max(values, default=0.0))
+    _stage_axis(ax, plan, max(values, default=0.0), notes)
     ax.set_ylabel(ylabel)
     ax.set_title(
         f"partition ({plan.method}): no profiled times; {what} per stage, "
@@ -176,10 +181,14 @@ def _draw_sizes(ax: Axes, plan: PlanLike) -> None:
     )
 
 
-def _stage_axis(ax: Axes, plan: PlanLike, top: float) -> None:
-    """Stage ticks with node counts, cut sizes in the gaps, limits, grid and legend."""
+def _stage_axis(ax: Axes, plan: PlanLike, top: float, notes: Sequence[str] | None = None
+                ) -> None:
+    """Stage ticks with node counts (and a note each), cut sizes in the gaps, limits, grid
+    and legend."""
     n = len(plan.stages)
     ticks = [f"stage {k}\n{_count(len(nodes), 'node')}" for k, nodes in enumerate(plan.stages)]
+    if notes is not None:
+        ticks = [f"{t}\n{note}" for t, note in zip(ticks, notes, strict=True)]
     ax.set_xticks(range(n), ticks)
     for k, size in enumerate(plan.cut_bytes[: n - 1]):
         ax.text(  # in the gap between stage k and k+1, where the cut is

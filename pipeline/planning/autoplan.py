@@ -142,7 +142,7 @@ class AutoPlan:
             f"{'#':>3} {'tp':>3} {'pp':>5} {'dp':>5} {'schedule':<17}{'m':>5}{'v':>3} "
             f"{'step ms':>10} {'bubble':>7} {'peak MiB/rank (max; min..max)':>30}"
         ]
-        first = {}  # the best of each tp degree is shown even below the top rows
+        first: dict[int, Candidate] = {}  # the best of each tp degree, shown below the top
         for c in self.candidates:
             first.setdefault(c.tp, c)
         shown = [(i, c) for i, c in enumerate(self.candidates, 1)

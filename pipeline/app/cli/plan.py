@@ -41,6 +41,20 @@ def _bytes(text: str) -> float:
     return value
 
 
+def _degrees(text: str) -> tuple[int, ...]:
+    """--tensor-parallel: "auto" (empty tuple) or comma-separated positive ints."""
+    if text == "auto":
+        return ()
+    try:
+        found = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        found = (0,)
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected auto or tensor-parallel degrees such as 1,2,4, got {text!r}")
+    return found
+
+
 def add(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
@@ -94,6 +108,14 @@ def add(subparsers: Any) -> None:
     parser.add_argument(
         "--latency", type=float, default=0.0, help="seconds per cross-rank transfer"
     )
+    parser.add_argument(
+        "--tensor-parallel", type=_degrees, default=(1,), metavar="N[,N...]|auto",
+        help="tensor-parallel ranks per stage to try (comma-separated, or auto: every divisor "
+        "of --world-size inside a node of --gpus-per-node, default all of them); each is "
+        "priced at its shard shapes with gloo collectives measured on this host (cached)",
+    )
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tensor-parallel: price sequence parallelism")
     parser.add_argument("--top", type=positive_int, default=20, help="rows to print and keep")
     parser.add_argument("--device", default="cpu", help="device to profile on")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and example input")
@@ -123,6 +145,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     progress(f"capturing and profiling {args.model} on microbatches of {profiled_batch} ...")
     captured = capture(model, inputs)
     captured = captured.with_costs(profile(captured, model, inputs, device=args.device))
+    widths = _widths(args, captured)
     result = search(
         captured,
         world_size=args.world_size,
@@ -133,8 +156,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         latency=args.latency,
         dp_bandwidth=args.dp_bandwidth,
         keep=args.top,
+        widths=widths,
     )
     print(result.table(args.top))
+    width = next(w for w in widths if w.tp == result.best.tp)
+    if width.plan is not None:
+        print(f"the best layout's {width.describe()}")
+        print(width.plan.describe())
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
@@ -144,18 +172,37 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"best schedule ({best.schedule}, pp={best.pp}, m={best.microbatches}), one line "
               f"per rank:\n{best.built.to_text()}")
     if args.out is not None:
-        _draw(args, captured, best, profiled_batch, result.batch_size)
+        _draw(args, captured, best, profiled_batch, result.batch_size, width)
     return 0
 
 
+def _widths(args: argparse.Namespace, captured: Captured) -> list[Any]:
+    """The tensor-parallel degrees --tensor-parallel asks for, each priced."""
+    from pipeline.planning.hardware.group_collectives import local_collectives
+    from pipeline.planning.tp_costs import width
+
+    node = args.gpus_per_node or args.world_size
+    degrees = args.tensor_parallel or tuple(
+        d for d in range(1, args.world_size + 1) if args.world_size % d == 0 and node % d == 0)
+    bad = [d for d in degrees if args.world_size % d]
+    if bad:
+        args.parser.error(f"--tensor-parallel {bad} must divide --world-size {args.world_size}")
+    wide = [d for d in degrees if d > 1]
+    if wide:
+        progress(f"measuring gloo collectives on groups of {wide} processes (cached) ...")
+    collectives = local_collectives(wide)
+    return [width(captured, d, collectives, sequence_parallel=args.sequence_parallel)
+            for d in degrees]
+
+
 def _draw(args: argparse.Namespace, captured: Captured, best: Any, profiled_batch: int,
-          batch_size: int) -> None:
+          batch_size: int, width: Any) -> None:
     """The best candidate's schedule text, predicted timeline, memory plot and trace."""
     from pipeline.planning.autoplan import predicted
     from viz import plot_memory, plot_timeline, to_chrome_trace
 
     schedule, timeline = predicted(captured, best, batch_size, profiled_batch,
-                                   latency=args.latency)
+                                   latency=args.latency, width=width)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     name = schedule.name

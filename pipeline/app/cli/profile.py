@@ -91,6 +91,11 @@ def add(subparsers: Any) -> None:
     parser.add_argument("--device", default="cpu", help="device to profile on")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and example input")
     parser.add_argument(
+        "--tensor-parallel", type=positive_int, default=1, metavar="N",
+        help="show the tensor-parallel plan derived for N ranks per stage (what each "
+        "parameter's split is, what stays whole) and each stage's share of it",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, metavar="DIR", help="write partition.png and plan.json"
     )
     parser.set_defaults(run=_run_profile, parser=parser)
@@ -114,14 +119,30 @@ def _run_profile(args: argparse.Namespace) -> int:
         progress(f"profiled in {time.perf_counter() - started:.1f} s")
     plan = partition(captured, args.stages, args.balance, bandwidth=args.bandwidth)
     print(plan)
+    notes, tp = None, None
+    if args.tensor_parallel > 1:
+        from partitioner.tp_plan import derive_tp_plan
+        from partitioner.tp_work import stage_lines
+
+        tp = derive_tp_plan(captured.graph_module, args.tensor_parallel)
+        notes = stage_lines(captured, tp, plan.stages)
+        print(tp.describe())
+        print("\n".join(f"  stage {k}: {line}" for k, line in enumerate(notes)))
     if args.out is None:
         print("(add --out DIR to write partition.png and plan.json)")
         return 0
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     plot_partition(
-        plan, out / "partition.png", graph=captured.graph, title=f"{args.model}: {shapes}"
+        plan, out / "partition.png", graph=captured.graph, title=f"{args.model}: {shapes}",
+        stage_notes=notes,
     )
-    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    written = plan.to_dict()
+    if tp is not None:
+        written["tensor_parallel"] = {
+            "degree": tp.degree, "stages": notes,
+            "params": {p.name: {"style": p.style, "dim": p.dim, "why": p.why, "bytes": p.bytes,
+                                "chunks": p.chunks} for p in tp.params.values()}}
+    (out / "plan.json").write_text(json.dumps(written, indent=2) + "\n")
     print(f"wrote {out / 'partition.png'} and {out / 'plan.json'}")
     return 0
