@@ -208,6 +208,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # it runs the launch (258-300 s at load averages of 30-90 here)
 def test_pp2_tp2_equals_unsplit(tp_run: list[Any]) -> None:
     assert all("worker pp2: every check ran" in e.output for e in tp_run), \
         "\n".join(e.output[-3000:] for e in tp_run)
