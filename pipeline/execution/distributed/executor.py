@@ -77,11 +77,6 @@ from pipeline.planning.decision import Coordination, Decision
 from pipeline.planning.settings import PipelineSettings
 
 
-def _whole(t: Tensor) -> bool:
-    """Whether every process of its group holds all of `t` (a plain or Replicate tensor)."""
-    return not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)
-
-
 class DistributedExecutor(Executor):
     """Runs this process's pipeline rank (see pipeline.execution.distributed for the rank layout).
 
@@ -197,7 +192,7 @@ class DistributedExecutor(Executor):
         policies = set(stage_policies(checkpoint_activations, planned.schedule.num_stages,
                                       planned.plan.activations))
         unbuilt = [name for name, used in (
-            ("shard=", self.shard is not None), ("compile=", self.compile is not None),
+            ("compile=", self.compile is not None),
             ("mixed_precision=", self.precision.dtype is not None),
             ("checkpoint_activations=", policies != {"none"}),
         ) if used]
@@ -389,27 +384,25 @@ class DistributedExecutor(Executor):
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool
     ) -> Tensor:
-        """The norm over the whole model: each pipeline rank's share (a tied parameter counted
-        on the lowest rank holding it) combined over the pipeline's group; the replicas hold
-        equal gradients after the average, so each gets the same norm (sharded gradients:
-        each process's shards, combined over every process)."""
+        """The norm over the whole model, each gradient counted once: each pipeline rank's
+        share (a tied parameter counted on the lowest rank holding it) combined over the
+        pipeline's group, where the replicas hold equal gradients after the average (each gets
+        the same norm); over every process where gradients are sharded (shard="full", tensor
+        parallelism), each part counted by the first of the processes holding it
+        (`_counts`)."""
         params = [p for _, p in self.named_parameters(model)]
         copies = self.ties.copies() if self.ties is not None else set()
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in copies]
-        tp = self.layout.tensor_parallel
-        if tp > 1 and self.layout.tp_rank != 0:  # a replicated one counted on tp rank 0
-            grads = [g for g in grads if not _whole(g)]
+        group = self.sharding.norm_group if self.layout.tensor_parallel == 1 else None
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in copies
+                 and self._counts(p.grad, over_replicas=group is None)]
         share = get_total_norm([local(g) for g in grads], norm_type)
         share = share.to(self.context.device, torch.float64)
         inf = norm_type == float("inf")
         if not inf:
             share = share.pow(norm_type)
-            if tp > 1:  # summed over every process: each replica adds its equal share
-                share /= self.layout.data_parallel
         with self.context.guard("gradient norm"):
             work = dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                                   group=self.sharding.norm_group if tp == 1 else None,
-                                   async_op=True)
+                                   group=group, async_op=True)
             self.context.wait_work(work, None, "the gradient norm")
         total = share if inf else share.pow(1.0 / norm_type)
         if error_if_nonfinite and not bool(total.isfinite()):
@@ -419,6 +412,20 @@ class DistributedExecutor(Executor):
             )
         clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    def _counts(self, g: Tensor, *, over_replicas: bool) -> bool:
+        """Whether this process adds its part of gradient `g` to a norm summed over every
+        process (`over_replicas`) or over its pipeline: of the processes holding the same
+        part, the first along each mesh dim `g` is replicated over does, and, when `g` is
+        not sharded over the replicas but the sum runs over them, replica 0's."""
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            if any(p.is_replicate() and mesh.get_local_rank(i) != 0
+                   for i, p in enumerate(g.placements)):
+                return False
+            if "dp" in (mesh.mesh_dim_names or ()):
+                return True
+        return not over_replicas or self.layout.dp_rank == 0
 
     def any_rank(self, flag: Tensor) -> Tensor:
         """The maximum of `flag` over every process (all stages, all replicas)."""

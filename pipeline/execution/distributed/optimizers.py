@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -38,9 +39,26 @@ def build_optimizer(
     if shard != "optimizer" or ctx is None:
         return optimizer_class(params, **kwargs)
     with ctx.guard("building the sharded optimizer"):
-        return ZeroRedundancyOptimizer(
+        return PartsZero(
             params, optimizer_class=optimizer_class, process_group=ctx.dp_group, **kwargs
         )
+
+
+class PartsZero(ZeroRedundancyOptimizer):
+    """torch's ZeRO-1 whose owners broadcast each parameter's local part: a tensor-parallel
+    DTensor parameter's replicas (the "dp" group, at the same tp coordinate) hold the same
+    part of it, and c10d's broadcast takes plain tensors only. Plain parameters are sent as
+    torch sends them (their part is the whole tensor), one message per parameter (with
+    ``parameters_as_bucket_view=True`` too)."""
+
+    def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
+        source = dist.get_global_rank(self.process_group, rank)
+        return [
+            dist.broadcast(local(p.detach()), src=source, group=self.process_group,
+                           async_op=True)
+            for group in self._partition_parameters()[rank]  # type: ignore[attr-defined]
+            for p in group["params"]
+        ]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

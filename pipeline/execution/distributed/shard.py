@@ -11,7 +11,9 @@ shard=...)``), with torch's own parts; `Sharding` is what the distributed execut
   sharded along dim 0. The unit is never called: the executor gathers the parameters before
   a step (or forward) and reduce-scatters the gradients after the step's last backward, as
   torch.distributed.pipelining drives an FSDP stage (its ``perform_reduce_grad``), since the
-  runtime's step-private leaves keep FSDP's own autograd hooks out of the step.
+  runtime's step-private leaves keep FSDP's own autograd hooks out of the step. On
+  tensor-parallel parameters the shards are DTensors on the (dp, tp) mesh
+  (pipeline.execution.distributed.fsdp_tp, which also keeps whole what FSDP2 cannot shard).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from pipeline.execution.distributed.context import DistContext
+from pipeline.execution.distributed.fsdp_tp import WholeOnReplicas, fsdp_dim, fsdp_placement
 from pipeline.execution.distributed.optimizers import OptimizerCheck, build_optimizer
 from pipeline.execution.distributed.ties import TieSync
 from pipeline.execution.grads import parameter_slots
@@ -59,11 +61,16 @@ class FullShard:
         self.ctx = ctx
         before = {(id(owner), name): p for s in stages for owner, name, p in parameter_slots(s)}
         self.unit = _RankStages(stages)
+        replicas = ctx.layout.data_parallel
+        whole = [p for p in self.unit.parameters() if fsdp_dim(p, replicas) is None]
         with ctx.guard("sharding the stages (fully_shard)"):
-            fully_shard(self.unit, mesh=ctx.mesh["dp"], reshard_after_forward=False)
+            fully_shard(self.unit, mesh=ctx.mesh["dp"], reshard_after_forward=False,
+                        shard_placement_fn=fsdp_placement(replicas),
+                        ignored_params=set(whole))
         self.fsdp: FSDPModule = self.unit  # type: ignore[assignment]
         self.state = fully_shard.state(self.unit)  # type: ignore[attr-defined]
         self.state._lazy_init()  # the root's set-up, normally done by its first forward
+        self.whole = WholeOnReplicas(ctx, stages, whole) if whole else None
         replaced: dict[int, Tensor] = {}
         self.sharded = replaced
         # The old parameters, while anything (an optimizer built too early) holds them.
@@ -85,6 +92,8 @@ class FullShard:
         self.fsdp.set_reshard_after_backward(False)
         with self.ctx.guard("gathering the sharded parameters"):
             self.fsdp.unshard()
+        if self.whole is not None:
+            self.whole.enter()
 
     def reduce(self) -> None:
         """Reduce-scatter the gathered parameters' gradients over the replicas (their mean,
@@ -97,13 +106,18 @@ class FullShard:
                 for group in state._fsdp_param_groups:
                     group.post_backward()
             self.state._root_post_backward_final_callback()
+        if self.whole is not None:
+            self.whole.reduce()
 
     def release(self) -> None:
         """Free the gathered parameters, dropping any gradient on them."""
+        sharded = {id(p) for p in self.sharded.values()}
         for p in self.unit.parameters():
-            if not isinstance(p, DTensor):
+            if id(p) not in sharded:  # a gathered one (a tp DTensor under tensor parallelism)
                 p.grad = None
         self.fsdp.reshard()
+        if self.whole is not None:
+            self.whole.leave()
 
 
 class Sharding:
