@@ -39,6 +39,7 @@ def tiny():  # type: ignore[no-untyped-def]
     return plan, captured.with_costs(costs)
 
 
+@pytest.mark.slow  # one torch.export of a tiny model: 2-7 s here
 def test_blocks_split_and_their_collectives(tiny) -> None:  # type: ignore[no-untyped-def]
     plan, captured = tiny
     work = unit_work(captured, plan)
@@ -56,6 +57,7 @@ def test_blocks_split_and_their_collectives(tiny) -> None:  # type: ignore[no-un
         ("forward", "all_gather")] * 2 + [("forward", "reduce_scatter")] * 2
 
 
+@pytest.mark.slow  # one torch.export of a tiny model: 2-7 s here
 def test_units_at_shard_shapes_plus_collectives(tiny) -> None:  # type: ignore[no-untyped-def]
     plan, captured = tiny
     priced = Priced()
@@ -89,6 +91,7 @@ def test_collective_fit_reads_back_through_the_model() -> None:
         GroupCollectives({"all_gather": {}}).seconds("all_gather", 10, 8)
 
 
+@pytest.mark.slow  # one torch.export of a tiny model: 2-7 s here
 def test_auto_planner_ranks_tp1_and_tp2(tiny) -> None:  # type: ignore[no-untyped-def]
     _, captured = tiny
     free = Priced(each=0.0, dispatch=0.0)
