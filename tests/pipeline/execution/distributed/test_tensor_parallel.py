@@ -194,6 +194,7 @@ def worker_tp(out: Path) -> None:
     pipe = _check("gpt2", 1, "zb-h1", sequence_parallel=True)
     _count_collectives(pipe, 3, "gpt2 sp", sequence_parallel=True)
     print(f"worker tp auto: {auto_layout_case(_build, _batch, lm_loss)}", flush=True)
+    print(f"worker tp=2 auto: {auto_layout_case(_build, _batch, lm_loss, 2)}", flush=True)
     dist.destroy_process_group()
     print("worker tp: every check ran", flush=True)
 
@@ -203,7 +204,7 @@ WORKERS = {"tp": worker_tp}
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    return launch("tp", 4, tmp_path_factory.mktemp("tp"), deadline=400.0, script=__file__,
+    return launch("tp", 4, tmp_path_factory.mktemp("tp"), deadline=500.0, script=__file__,
                   preload=HF_MODULES)
 
 
@@ -221,8 +222,10 @@ def test_tp2_with_replicas_and_collectives(tp_run: list[Any]) -> None:
 
 @pytest.mark.slow
 def test_auto_layout_chooses_tp_and_trains_exactly(tp_run: list[Any]) -> None:
-    """stages="auto", tensor_parallel="auto" (test_tp_auto.auto_layout_case)."""
-    assert all("worker tp auto: chose" in e.output for e in tp_run), \
+    """stages="auto" with tensor_parallel="auto", then with tensor_parallel=2
+    (test_tp_auto.auto_layout_case)."""
+    assert all("worker tp auto: chose" in e.output and "worker tp=2 auto: chose tp=2" in e.output
+               for e in tp_run), \
         "\n".join(e.output[-3000:] for e in tp_run)
 
 

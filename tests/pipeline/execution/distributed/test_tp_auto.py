@@ -46,10 +46,12 @@ def test_auto_needs_torchrun() -> None:
 
 def auto_layout_case(build: Callable[[str], nn.Module],
                      batch: Callable[[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]],
-                     loss_fn: Callable[..., torch.Tensor]) -> str:
-    """(In a world of 4 under torchrun) a Llama with stages="auto" and tensor_parallel="auto"
-    on nodes of 2 processes: the ranking holds tp=1 and tp=2 layouts, the Pipeline runs the
-    best one, and its step gives the unsplit model's loss and every gradient."""
+                     loss_fn: Callable[..., torch.Tensor], tensor_parallel: int | str = "auto"
+                     ) -> str:
+    """(In a world of 4 under torchrun) a Llama with stages="auto" and `tensor_parallel`
+    ("auto", or a degree) on nodes of 2 processes: the ranking holds tp=1 and tp=2 layouts
+    (with "auto"; else that degree's), the Pipeline runs the best one, and its step gives the
+    unsplit model's loss and every gradient."""
     from torch.distributed.tensor import DTensor
 
     from pipeline import Pipeline
@@ -59,12 +61,13 @@ def auto_layout_case(build: Callable[[str], nn.Module],
     rows = 8
     x, y = batch(0, rows)
     ref, model = build("llama"), build("llama")
-    pipe = Pipeline(model, stages="auto", tensor_parallel="auto", loss_fn=loss_fn,
+    pipe = Pipeline(model, stages="auto", tensor_parallel=tensor_parallel, loss_fn=loss_fn,
                     example_input=x)
     ranking = pipe.autoplan
     assert ranking is not None
     tried = {c.tp for c in ranking.candidates}
-    assert tried == {1, 2}, ranking.table()
+    assert tried == ({1, 2} if tensor_parallel == "auto" else {tensor_parallel}), \
+        ranking.table()
     best, layout = ranking.best, pipe.distributed.layout  # type: ignore[union-attr]
     assert (layout.tensor_parallel, layout.stages, layout.data_parallel) == (
         best.tp, best.pp, best.dp), ranking.table()
