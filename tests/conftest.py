@@ -16,3 +16,15 @@ def _one_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the selected tests launch processes, the launches' fork server starts now, in the
+    background: its imports (torch, hybridpipe, the Hugging Face modeling modules, its warm-up;
+    seconds of one core) overlap the single-process tests that run first, on the core they
+    leave free, instead of holding up the first launch."""
+    from tests.support import distributed
+
+    if any(getattr(getattr(item, "module", None), "launch", None) is distributed.launch
+           for item in session.items):
+        distributed.start_server()

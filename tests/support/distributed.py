@@ -50,6 +50,12 @@ class Ended:
 _SERVER: list[subprocess.Popen[str]] = []  # this session's tests.support.forked server
 
 
+def start_server() -> None:
+    """Start the session's fork server now (it imports in the background) rather than at the
+    first launch."""
+    _server()
+
+
 def _server() -> subprocess.Popen[str]:
     """The session's fork server, started on first use; it ends with the session (its stdin
     closes)."""
