@@ -339,14 +339,14 @@ def shard_parameters(
 
 
 class TensorParallelStage:
-    """Runs a stage module (a graph of aten ops over DTensor parameters) on plain tensors: see
-    the module docstring. `forward` is installed on the module itself, so everything that
-    calls the module (precision, the runtime) calls it unchanged."""
+    """Runs `inner`, a forward of a stage module (a graph of aten ops over DTensor
+    parameters, or its blocks under a recompute policy), on plain tensors: see the module
+    docstring. `floats`: per input, whether it enters as a Replicate DTensor."""
 
-    def __init__(self, module: fx.GraphModule, mesh: DeviceMesh) -> None:
+    def __init__(self, inner: Callable[..., Any], mesh: DeviceMesh, floats: list[bool]) -> None:
         self.mesh = mesh
-        self.inner: Callable[..., Any] = type(module).forward.__get__(module)
-        self.floats = float_inputs(module)
+        self.inner = inner
+        self.floats = floats
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mesh = self.mesh
@@ -368,7 +368,16 @@ def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh,
     run on the tp `mesh` (a 1-d DeviceMesh). The parameters are sharded by
     `shard_parameters` (once for the model, as stages share tied weights)."""
     _edit_graph(module, plan, sequence_parallel)
-    module.forward = TensorParallelStage(module, mesh)
+    inner = type(module).forward.__get__(module)
+    module.forward = TensorParallelStage(inner, mesh, float_inputs(module))
+
+
+def boundary(module: fx.GraphModule, mesh: DeviceMesh
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """How any forward of the edited stage `module` (its blocks recomputed, its compiled
+    regions, under autocast) is run on plain tensors: wrapped as `TensorParallelStage`."""
+    floats = float_inputs(module)
+    return partial(TensorParallelStage, mesh=mesh, floats=floats)
 
 
 def _warn_undivided(plan: TPPlan) -> None:

@@ -72,7 +72,6 @@ from pipeline.execution.processes import Processes
 from pipeline.execution.program import LossFn, StepResult
 from pipeline.execution.runtime import RankRuntime
 from pipeline.execution.tensor_parallel import parallelize
-from pipeline.planning.activation_policies import stage_policies
 from pipeline.planning.decision import Coordination, Decision
 from pipeline.planning.settings import PipelineSettings
 
@@ -171,7 +170,7 @@ class DistributedExecutor(Executor):
             )
         self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
         if self.layout.tensor_parallel > 1:  # the stages' graphs: the tensor-parallel pass
-            self._check_tensor_parallel(planned, self.settings.checkpoint_activations)
+            self._check_tensor_parallel()
             with self.context.agreement.phase("the tensor-parallel plan"):
                 self.tp_plan = parallelize(planned, self._mine, self.context.tp_mesh,
                                            self.layout.tensor_parallel, self.settings.tp_plan)
@@ -186,21 +185,16 @@ class DistributedExecutor(Executor):
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         super().load(planned, loss_fn=loss_fn)
 
-    def _check_tensor_parallel(self, planned: Decision, checkpoint_activations: object) -> None:
+    def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not compose with yet: a ValueError naming it and the
         fix, before any parameter is sharded (each composition needs its own exact test)."""
-        policies = set(stage_policies(checkpoint_activations, planned.schedule.num_stages,
-                                      planned.plan.activations))
-        unbuilt = [name for name, used in (
-            ("compile=", self.compile is not None),
-            ("mixed_precision=", self.precision.dtype is not None),
-            ("checkpoint_activations=", policies != {"none"}),
-        ) if used]
-        if unbuilt:
+        if self.compile is not None:
             raise ValueError(
-                f"tensor_parallel={self.layout.tensor_parallel} does not compose with "
-                f"{', '.join(unbuilt)} yet (docs/tensor-parallel.md lists what is built); drop "
-                "them, or use tensor_parallel=1"
+                f"tensor_parallel={self.layout.tensor_parallel} does not compose with compile= "
+                "yet: the compiled regions are traced by torch's aot_export, which does not "
+                "take DTensor parameters ('aot_export is not currently supported with "
+                "traceable tensor subclass'; docs/tensor-parallel.md); drop compile=, or use "
+                "tensor_parallel=1"
             )
 
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None],

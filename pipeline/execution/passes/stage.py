@@ -60,18 +60,25 @@ def _called(module: nn.Module) -> Callable[..., Any]:
     return module
 
 
+def _unchanged(forward: Callable[..., Any]) -> Callable[..., Any]:
+    return forward
+
+
 @dataclass(frozen=True)
 class PreparedStage:
     """A stage as the passes left it: `module`, the split stage module that owns its
     parameters; `runs`, what runs it (the module, or its compiled form); `keeps`, how a
     training forward calls `runs` (the activation policy); `enter`, how a block is called
-    (the precision); `averaged`, the parameters whose gradients its data-parallel replicas
-    average; `applied`, one line per pass, in order."""
+    (the precision); `boundary`, how a whole forward (training or not) takes and returns the
+    stage's values (tensor parallel: plain tensors in and out, DTensors inside); `averaged`,
+    the parameters whose gradients its data-parallel replicas average; `applied`, one line
+    per pass, in order."""
 
     module: nn.Module
     runs: nn.Module
     keeps: Keeps = _as_is
     enter: Enter = _called
+    boundary: Callable[[Callable[..., Any]], Callable[..., Any]] = _unchanged
     averaged: tuple[nn.Parameter, ...] = ()
     applied: tuple[str, ...] = ()
 
@@ -92,11 +99,11 @@ class PreparedStage:
 
     def training_forward(self, restoring: Restoring) -> Callable[..., Any]:
         """How the runtime calls the stage in a training forward."""
-        return self.keeps(self.runs, self.enter, restoring)
+        return self.boundary(self.keeps(self.runs, self.enter, restoring))
 
     def forward(self) -> Callable[..., Any]:
         """How the runtime calls the stage in a forward without a backward (evaluation)."""
-        return self.enter(self.runs)
+        return self.boundary(self.enter(self.runs))
 
     def describe(self) -> str:
         """The passes applied, one per line."""

@@ -11,6 +11,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from pipeline.execution.passes.stage import PreparedStage, StageContext
+from pipeline.execution.tensor_parallel import boundary
 from pipeline.execution.tensor_parallel import tensor_parallel as run_on_mesh
 from pipeline.planning.settings import PipelineSettings
 
@@ -33,4 +34,5 @@ def tensor_parallel(
                   and not all(q.is_replicate() for q in p.placements))
     sequence = ", sequence parallel" if settings.sequence_parallel else ""
     return stage.then(f"tensor parallel: {sharded} of {len(params)} parameters sharded over "
-                      f"{settings.tensor_parallel} ranks ({plan.source} plan{sequence})")
+                      f"{settings.tensor_parallel} ranks ({plan.source} plan{sequence})",
+                      boundary=boundary(module, dist.tp_mesh))

@@ -154,10 +154,9 @@ def _stale_optimizer() -> None:
     with pytest.raises(ValueError, match="replaced by their shards .* example_input"):
         early.step()
     # A composition not built yet is refused by name before anything is sharded.
-    with pytest.raises(ValueError, match="does not compose with checkpoint_activations="):
+    with pytest.raises(ValueError, match="does not compose with compile="):
         Pipeline(_build("llama"), stages=1, tensor_parallel=2, microbatches=2,
-                 loss_fn=lm_loss, balance="parameters", checkpoint_activations="full",
-                 example_input=x)
+                 loss_fn=lm_loss, balance="parameters", compile=True, example_input=x)
 
 
 def worker_tp(out: Path) -> None:
