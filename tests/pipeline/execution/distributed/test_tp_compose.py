@@ -192,7 +192,7 @@ def _policies_and_eval() -> None:
     # mode (another capture) reads them.
     pipe = _check("normed", steps=2, evaluate=True, checkpoint_activations="auto",
                   memory_limit=12_500)
-    assert "full" in pipe.plan.activations, pipe.plan.activations
+    assert {"full", "selective"} & set(pipe.plan.activations), pipe.plan.activations
 
 
 def _bf16() -> None:
