@@ -16,10 +16,12 @@
    step without the optimizer (only `pipe.step` is timed), and each rank's busy time. The
    machine is shared: the load average is written beside each figure; wall time counts
    waiting for a core, CPU time does not.
-2. Memory: in one more step of each torchrun pp=2 run, each process's heap in use (glibc
-   mallinfo2, sampled every 0.2 ms): what the step adds over the heap before it, against the
-   predicted activations and p2p buffers of that rank, and the heap before the step over the
-   heap before the model was built, against the predicted weights and gradients.
+2. Memory: in one more step of each torchrun pp=2 run (`.grad` cleared before it, as a
+   training loop's zero_grad does), each process's heap in use (glibc mallinfo2, sampled
+   every 0.2 ms): what the step adds at its peak over the heap before it, against that
+   rank's predicted peak moment (pipeline.planning.scale.memory: the gradients made by
+   then, the activations held, the action's working set, the p2p buffers), and the heap
+   before the step over the heap before the model was built, against the predicted weights.
 3. Planning a 1T-parameter GPT (128 layers, hidden 25600, 160 heads, seq 2048) for 3072
    A100s and a batch of 3072: the search's wall time and this process's peak memory.
 
@@ -90,6 +92,7 @@ def _run(name: str, dp: int | None, distributed: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
                            "load": load}
     if distributed:
+        pipe.zero_grad()  # as a training loop does before its step: the step makes the grads
         dist.barrier()
         with Peak() as heap:
             pipe.step(ids, target)
@@ -142,8 +145,10 @@ def _predicted(runtime: dict[str, Any], world: int, names: list[str]
         out[name] = {"step_s": p.step_time - p.optimizer_time, "bubble": p.bubble,
                      "busy_s": [sum(e - s for s, e in rank) + target.step_overhead
                                 for rank in sim.times],
-                     "state_bytes": [m.weights + m.gradients for m in parts],
-                     "step_bytes": [m.activations + m.buffers + m.recompute for m in parts]}
+                     "state_bytes": [m.weights for m in parts],
+                     "step_bytes": [m.gradients + m.activations + m.buffers + m.recompute
+                                    for m in parts],
+                     "step_parts": [m.to_dict() for m in parts]}
     return out
 
 
@@ -211,16 +216,20 @@ def _dist_rows(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 
 
 def _memory_rows(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    rows = ["| schedule | rank | step adds (heap) MiB | predicted activations + buffers MiB "
-            "| error | state (heap) MiB | predicted weights + grads MiB | error |",
+    rows = ["| schedule | rank | step peak adds (heap) MiB | predicted step peak MiB (grads, "
+            "held, working, p2p) | error | state (heap) MiB | predicted weights MiB | error |",
             "|---|---|---|---|---|---|---|---|"]
     mib = 2**20
     for name, ranks in got.items():
         w = want[name]
         for r, g in enumerate(ranks):
+            part = w["step_parts"][r]
+            split = ", ".join(f"{part[k] / mib:.1f}" for k in ("gradients", "activations",
+                                                               "recompute", "buffers"))
             rows.append(
                 f"| {name} | {r} | {g['heap_step_added'] / mib:.2f} | "
-                f"{w['step_bytes'][r] / mib:.2f} | {_err(w['step_bytes'][r], g['heap_step_added'])}"
+                f"{w['step_bytes'][r] / mib:.2f} ({split}) | "
+                f"{_err(w['step_bytes'][r], g['heap_step_added'])}"
                 f" | {g['heap_state'] / mib:.2f} | {w['state_bytes'][r] / mib:.2f} | "
                 f"{_err(w['state_bytes'][r], g['heap_state'])} |")
     return rows

@@ -186,6 +186,7 @@ def target_from(figures: dict[str, Any], processes: int = 2,
                  "runtime": "measured by pipeline.facade.runtime_cost (microbenchmark)"},
         action_overhead=float((runtime or {}).get("action", 0.0)),
         step_overhead=float((runtime or {}).get("step", 0.0)),
+        transport="gloo",
     )
 
 

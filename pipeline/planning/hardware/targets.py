@@ -56,6 +56,8 @@ class Target:
     costs; `action_overhead` and `step_overhead`: the pipeline runtime's own seconds per
     F/B/W action (its send or receive included) and per step where they hold the device
     (the local CPU: measured; 0 for a GPU, whose host work runs ahead of its kernels).
+    `transport`: the pipeline's p2p backend, for its buffers ("gloo": every receive of a
+    step posted at its start, each send kept to its end; "nccl": as the stage needs them).
     `sources` names where each figure comes from."""
 
     name: str
@@ -72,6 +74,7 @@ class Target:
     sources: dict[str, str] = field(default_factory=dict)
     action_overhead: float = 0.0
     step_overhead: float = 0.0
+    transport: str = "nccl"
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` (a name in `peak_flops`)."""

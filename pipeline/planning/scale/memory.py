@@ -8,11 +8,24 @@
   their gradients), while per pipeline stage (torchtitan keeps stages unsharded through
   the step: reshard_after_forward off) it holds the gathered weights and the unsharded
   gradients during the step;
-- the activations the rank's stages hold for the schedule's in-flight microbatches
-  (scheduler.simulate.peak_held: 1F1B's first rank holds p);
-- the recompute working set (one block's activations while it is redone);
-- communication buffers: the p2p send and receive of the largest boundary, and two
-  25 MiB gradient buckets under data parallelism (torch DDP's bucket_cap_mb default).
+- the step, walked action by action in the rank's order (`_Walk`), unit by unit inside
+  each action, as the runtime frees and allocates:
+  - the activations each F keeps until its microbatch's B (a split B keeps more, the
+    gradients W starts from, until W): 1F1B's first rank holds p microbatches;
+  - each action's working set on top (pricing.UnitPrice: the forward's temporaries, the
+    backward's gradients, the recompute working set; W makes a unit's weight grads at once
+    and holds them until the stage's W ends);
+  - the weight gradients, from the stage's first backward (B, or W when split) on: the
+    runtime's step buffers, committed into `.grad` (cleared before the step, as a training
+    loop's zero_grad does); the step's peak is the most the walk holds, and the rank's peak
+    the larger of it and the state after the step (weights, gradients, optimizer state);
+  - the p2p buffers: a received activation is the stage input the runtime keeps until the
+    microbatch's B; a received gradient lives until its B ends; a sent activation is the
+    stage output, kept until its B. The gloo transport (the CPU target) posts every receive
+    of the step (up to AHEAD_BYTES per peer) when the step starts and keeps each send until
+    the step's end (pipeline.execution.distributed.p2p);
+  - two 25 MiB gradient buckets under data parallelism (torch DDP's bucket_cap_mb default).
+`Memory` is the rank's peak moment, by part.
 """
 
 from __future__ import annotations
@@ -21,11 +34,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.planning.scale.layout import Job, Layout
-from pipeline.planning.scale.stages import StageCosts
+from pipeline.planning.scale.stages import StageCosts, Working
 from scheduler import Schedule
-from scheduler.simulate import peak_held
+from scheduler.ir import Action, Op
 
 BUCKET = 25 * 2**20
+AHEAD_BYTES = 64 * 2**20
+"""Bytes of receives the gloo transport posts ahead per peer (the runtime's AHEAD_BYTES)."""
 
 
 def param_bytes(precision: str) -> int:
@@ -73,20 +88,161 @@ def zero3(layout: Layout) -> bool:
     return layout.zero == "fsdp" and layout.pp == 1
 
 
+@dataclass(frozen=True)
+class _StagePeaks:
+    """One stage's actions, unit by unit, folded into what each adds at its peak over the
+    bytes the rank holds when it starts (so the walk is one step per action): `held` and
+    `kept` per microbatch, its gradients' bytes, and the peaks of F, of a whole backward
+    (`backward`; `first_backward` when it makes the stage's gradients), of a split B, and
+    of W (from what B kept; stage 0's W is a whole backward making every weight grad)."""
+
+    held: float
+    kept: float
+    grads: float
+    forward: float
+    backward: float
+    first_backward: float
+    input_grad: float
+    weight_grad: float
+    plain_weight_grad: float
+
+
+def _stage_peaks(units: tuple[Working, ...], grad_byte: float) -> _StagePeaks:
+    forward = backward = first = input_grad = weight = plain = 0.0
+    held = freed = made = kept = 0.0
+    for u in units:
+        held += u.held
+        forward = max(forward, held + u.forward)
+    for u in reversed(units):  # the backward runs the units last to first
+        backward = max(backward, u.backward - freed)
+        first = max(first, u.backward - freed + made)
+        input_grad = max(input_grad, u.input_grad + kept)
+        kept += u.kept
+        grads = u.grads * grad_byte
+        weight = max(weight, made + grads + u.weight_grad)
+        freed += u.held
+        made += grads
+    plain = first
+    return _StagePeaks(held, kept, made, forward, backward, first, input_grad, weight, plain)
+
+
+class _Walk:
+    """One rank's step, action by action: bytes held now by part and the peak moment."""
+
+    def __init__(self, job: Job, schedule: Schedule, costs: StageCosts, rank: int,
+                 grads: dict[int, float]) -> None:
+        self.schedule, self.costs, self.rank = schedule, costs, rank
+        self.gloo = job.target.transport == "gloo"
+        self.stages = {s: _stage_peaks(costs.units[s], grads[s] / max(1, costs.parameters[s]))
+                       for s in grads}
+        self.held = self.kept = self.p2p = self.grads = 0.0
+        self.peak = (0.0, 0.0, 0.0, 0.0, 0.0)  # total, held, working, gradients, p2p
+        self.started: set[int] = set()
+        self.later: dict[tuple[int, int], float] = {}  # p2p bytes freed at a microbatch's B
+        place = schedule.placement
+        n = schedule.num_stages
+        self.gets_act = [s > 0 and place[s - 1] != place[s] for s in range(n)]
+        self.gets_grad = [s < n - 1 and place[s + 1] != place[s] for s in range(n)]
+        if self.gloo:
+            self.p2p = self._posted()
+
+    def _posted(self) -> float:
+        per_peer: dict[int, float] = {}
+        place, boundary = self.schedule.placement, self.costs.boundary
+        for a in self.schedule.actions[self.rank]:
+            if a.op is Op.F and self.gets_act[a.stage]:
+                peer = place[a.stage - 1]
+                per_peer[peer] = per_peer.get(peer, 0.0) + boundary[a.stage - 1]
+            if a.op is Op.B and self.gets_grad[a.stage]:
+                peer = place[a.stage + 1]
+                per_peer[peer] = per_peer.get(peer, 0.0) + boundary[a.stage]
+        return sum(min(b, AHEAD_BYTES) for b in per_peer.values())
+
+    def see(self, working: float) -> None:
+        total = self.held + self.kept + working + self.grads + self.p2p
+        if total > self.peak[0]:
+            self.peak = (total, self.held + self.kept, working, self.grads, self.p2p)
+
+    def _later(self, key: tuple[int, int], nbytes: float) -> None:
+        self.later[key] = self.later.get(key, 0.0) + nbytes
+
+    def forward(self, a: Action) -> None:
+        s, stage, boundary = a.stage, self.stages[a.stage], self.costs.boundary
+        if self.gets_act[s]:  # the received input, kept until B
+            if not self.gloo:
+                self.p2p += boundary[s - 1]
+            self._later((s, a.microbatch), boundary[s - 1])
+        self.see(stage.forward)
+        self.held += stage.held
+        if s < self.schedule.num_stages - 1:  # the stage output: sent, or mailed on this rank
+            self.p2p += boundary[s]
+            if not (self.gloo and self.gets_grad[s]):
+                self._later((s, a.microbatch), boundary[s])
+
+    def _release(self, a: Action, stage: _StagePeaks) -> None:
+        self.held -= stage.held
+        self.p2p -= self.later.pop((a.stage, a.microbatch), 0.0)
+        if a.stage not in self.started:
+            self.started.add(a.stage)
+            self.grads += stage.grads
+
+    def backward(self, a: Action, split: bool) -> None:
+        s, stage, boundary = a.stage, self.stages[a.stage], self.costs.boundary
+        if self.gets_grad[s] and not self.gloo:
+            self.p2p += boundary[s]
+        if split and s > 0:
+            self.see(stage.input_grad)
+            self.kept += stage.kept
+        elif not split:
+            self.see(stage.backward if s in self.started else stage.first_backward)
+            self._release(a, stage)
+        if self.gets_grad[s]:
+            self.p2p -= boundary[s]
+        if self.gets_act[s] and self.gloo:  # the input grad sent, kept to the step's end
+            self.p2p += boundary[s - 1]
+
+    def weight(self, a: Action) -> None:
+        s, stage = a.stage, self.stages[a.stage]
+        if s == 0:  # a plain backward pass, the graph freed as it goes
+            self.see(stage.plain_weight_grad)
+        else:  # from what B kept, the graph kept until the stage's W ends
+            self.see(stage.weight_grad)
+            self.kept -= stage.kept
+        self._release(a, stage)
+
+
+def _walk(job: Job, schedule: Schedule, costs: StageCosts, rank: int,
+          grads: dict[int, float]) -> tuple[float, float, float, float, float]:
+    """(total, activations, working, gradients, p2p) at the rank's step peak."""
+    walk = _Walk(job, schedule, costs, rank, grads)
+    split = schedule.splits_backward
+    for a in schedule.actions[rank]:
+        if a.op is Op.F:
+            walk.forward(a)
+        elif a.op is Op.B:
+            walk.backward(a, split)
+        else:
+            walk.weight(a)
+        walk.see(0.0)
+    return walk.peak
+
+
 def memory_per_rank(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
                     dp: int) -> list[Memory]:
     """Each pipeline rank's `Memory` at its peak."""
-    held = peak_held(schedule, costs.held)
     out = []
     for rank in range(schedule.num_ranks):
         stages = schedule.stages_of(rank)
         params = sum(costs.parameters[s] for s in stages)
         reshard = zero3(layout)
         weights, grads, optimizer = state(params, job.precision, layout.zero, dp, reshard)
-        buffers = 2 * max(costs.boundary[s] for s in stages) + (2 * BUCKET if dp > 1 else 0)
+        buffers = 2 * BUCKET if dp > 1 else 0.0
         if reshard:  # the unit running and the one prefetched, weights and gradients
             buffers += 2 * 2 * max(costs.largest_unit[s] for s in stages) * param_bytes(
                 job.precision)
-        out.append(Memory(weights, grads, optimizer, held[rank],
-                          max(costs.working[s] for s in stages), buffers))
+        share = {s: grads * costs.parameters[s] / max(1, params) for s in stages}
+        total, held, working, step_grads, p2p = _walk(job, schedule, costs, rank, share)
+        if total < grads:  # the state after the step weighs more than the step did
+            held, working, step_grads, p2p = 0.0, 0.0, grads, 0.0
+        out.append(Memory(weights, step_grads, optimizer, held, working, buffers + p2p))
     return out

@@ -7,6 +7,14 @@ additive. Saved-tensor hooks count what the forward keeps for the backward (each
 once; parameters and buffers not counted), and which of it is the attention core (tensors
 ending in seq x seq, the ones Korthikanti et al.'s selective recompute drops).
 
+Working sets (`_Live`: every storage an op makes, alive until its last tensor dies, read
+after each op): beyond what the forward keeps, the most the forward's temporaries add; the
+most a whole backward adds (B and W in one walk, as 1F1B runs them; each weight's gradient
+freed once accumulated: the runtime adds it into the step's buffer in place); and the split
+backward as the runtime runs it (pipeline.execution.split_backward): B walks to the input
+grads keeping the gradient that arrives where each weight's path leaves the input path
+(`kept_for_weight`), W starts from those, all of a unit's weight grads made at once.
+
 Where the CPU path differs from a GPU's, pricing runs the GPU's kernel (its meta kernel and
 flop formula): `F.scaled_dot_product_attention` (on meta it falls back to the math path) as
 aten's fused flash kernel, which holds no seq x seq tensor; `F.dropout` as native_dropout,
@@ -21,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -77,18 +87,49 @@ def _gemm_shape(packet: Any, args: Sequence[Any]) -> tuple[int, int, int]:
     return int(a.shape[0]), int(b.shape[1]), 1
 
 
-class _Recorder(TorchDispatchMode):
-    """Records each kernel-launching aten op as an `Op`."""
+class _Live:
+    """Bytes of the storages ops made that are still alive (each storage once, weak
+    references: a storage dies with its last tensor, wherever autograd held it), and the
+    most seen since `reset`."""
 
-    def __init__(self, seq: int, hidden: int | None) -> None:
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def now(self) -> int:
+        dead = [k for k, (ref, _) in self.storages.items() if ref.expired()]
+        for k in dead:
+            del self.storages[k]
+        return sum(n for _, n in self.storages.values())
+
+    def track(self, value: Any) -> None:
+        for t in _tensors(value):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            known = self.storages.get(key)
+            if known is None or known[0].expired():
+                self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.now())
+
+    def reset(self) -> int:
+        self.peak = self.now()
+        return self.peak
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each kernel-launching aten op as an `Op` (and what it allocates in `live`)."""
+
+    def __init__(self, seq: int, hidden: int | None, live: _Live | None = None) -> None:
         super().__init__()
-        self.seq, self.hidden = seq, hidden
+        self.seq, self.hidden, self.live = seq, hidden, live
         self.ops: list[Op] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.live is not None:
+            self.live.track(out)
         packet = func._overloadpacket
         if packet in _NO_KERNEL or _is_view(func):
             return out
@@ -188,10 +229,112 @@ class UnitPrice:
     output_bytes: float
     parameters: int
     parameter_bytes: int
+    forward_extra: float = 0.0
+    backward_extra: float = 0.0
+    input_extra: float = 0.0
+    kept_for_weight: float = 0.0
+    weight_extra: float = 0.0
 
 
 def _seconds(ops: list[Op], target: Target, replicated: bool = False) -> float:
     return sum(op.seconds(target) for op in ops if op.replicated or not replicated)
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    if t.grad_fn is not None:
+        return t.grad_fn
+    view = t.view_as(t).grad_fn if t.requires_grad else None
+    return view.next_functions[0][0] if view is not None else None
+
+
+def _meeting_nodes(out: torch.Tensor, leaves: list[torch.Tensor],
+                   params: list[torch.Tensor]) -> list[Node]:
+    """The nodes on the input-grad path where a weight's gradient path leaves it (where the
+    runtime's split B keeps the arriving gradient for W)."""
+    parents: dict[Node, list[Node]] = {}
+    root = out.grad_fn
+    seen, queue = ({root}, [root]) if root is not None else (set(), [])
+    while queue:
+        node = queue.pop()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+
+    def up(starts: list[Node], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+        reached, met, todo = set(starts), set(), list(starts)
+        while todo:
+            for parent in parents.get(todo.pop(), ()):
+                if parent in stop:
+                    met.add(parent)
+                elif parent not in reached:
+                    reached.add(parent)
+                    todo.append(parent)
+        return reached, met
+
+    path, _ = up([n for n in map(_grad_node, leaves) if n is not None], set())
+    meeting: list[Node] = []
+    for p in params:
+        acc = _grad_node(p)
+        if acc in seen:
+            meeting += [m for m in up([acc], path)[1] if m not in meeting]
+    return meeting
+
+
+@dataclass
+class _Walks:
+    """The three backward walks of one forward: B (input grads, gradients kept for W at the
+    meeting nodes), W from those, then the whole backward; recorders and working sets."""
+
+    input_walk: _Recorder
+    whole: _Recorder
+    input_extra: float = 0.0
+    kept: float = 0.0
+    weight_extra: float = 0.0
+    backward_extra: float = 0.0
+
+
+def _walk(out: torch.Tensor, leaves: list[torch.Tensor], params: list[torch.Tensor],
+          live: _Live, seq: int, hidden: int | None) -> _Walks:
+    walks = _Walks(_Recorder(seq, hidden, live), _Recorder(seq, hidden, live))
+    with _Recorder(seq, hidden, live):
+        grad = None if out.dim() == 0 else torch.ones_like(out)
+    if leaves:
+        kept: list[tuple[Node, tuple[Any, ...]]] = []
+        nodes = _meeting_nodes(out, leaves, params)
+        hooks = [n.register_prehook(lambda g, n=n: kept.append((n, g))) for n in nodes]
+        start = live.reset()
+        with walks.input_walk:
+            dx = torch.autograd.grad(out, leaves, grad, retain_graph=True, allow_unused=True)
+        del dx
+        for h in hooks:
+            h.remove()
+        walks.input_extra, walks.kept = live.peak - start, live.now() - start
+        edges = [GradientEdge(n, k) for n, gs in kept for k, g in enumerate(gs)
+                 if g is not None]
+        held = [g for _, gs in kept for g in gs if g is not None]
+        start = live.reset()
+        if edges:
+            with _Recorder(seq, hidden, live):
+                got = torch.autograd.grad(edges, params, held, retain_graph=True,
+                                          allow_unused=True)
+            made = sum(g.numel() * g.element_size() for g in got if g is not None)
+            walks.weight_extra = max(0.0, live.peak - start - made)
+            del got
+        del kept, held, edges
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+             for p in params]
+    start = live.reset()
+    with walks.whole:
+        torch.autograd.backward(out, grad, inputs=leaves + params)
+    for h in hooks:
+        h.remove()
+    walks.backward_extra = live.peak - start
+    for t in leaves:
+        t.grad = None
+    return walks
 
 
 def price(module: nn.Module, inputs: Sequence[Any], target: Target, seq: int,
@@ -199,22 +342,18 @@ def price(module: nn.Module, inputs: Sequence[Any], target: Target, seq: int,
     """Price `module(*inputs)` (module and inputs on meta; the floating inputs that require
     grad are the unit's activations from the previous unit) on `target`; `hidden` marks
     the element-wise work on whole hidden vectors (`Op.replicated`)."""
-    params = [p for p in module.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
     exclude = {b.untyped_storage()._cdata for b in module.buffers()}
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    saved = _Saved(seq, exclude)
-    forward = _Recorder(seq, hidden)
+    saved, live = _Saved(seq, exclude), _Live()
+    forward = _Recorder(seq, hidden, live)
     with _DeviceKernels(), forward, torch.autograd.graph.saved_tensors_hooks(
             saved.pack, lambda t: t):
         out = module(*inputs)
-    grad = None if out.dim() == 0 else torch.ones_like(out)
-    input_walk = _Recorder(seq, hidden)
-    if leaves:
-        with input_walk:
-            torch.autograd.grad(out, leaves, grad, retain_graph=True)
-    whole = _Recorder(seq, hidden)
-    with whole:
-        torch.autograd.grad(out, leaves + params, grad)
+    forward_extra = live.peak - live.now()
+    output_bytes = float(out.numel() * out.element_size())
+    walks = _walk(out, leaves, params, live, seq, hidden)
+    input_walk, whole = walks.input_walk, walks.whole
     f, b, total = (_seconds(r.ops, target) for r in (forward, input_walk, whole))
     rep_b = _seconds(input_walk.ops, target, True)
     return UnitPrice(
@@ -228,7 +367,10 @@ def price(module: nn.Module, inputs: Sequence[Any], target: Target, seq: int,
                     max(0.0, _seconds(whole.ops, target, True) - rep_b)),
         saved=float(saved.total), saved_core=float(saved.core),
         input_bytes=float(sum(t.numel() * t.element_size() for t in leaves)),
-        output_bytes=float(out.numel() * out.element_size()),
+        output_bytes=output_bytes,
         parameters=sum(p.numel() for p in params),
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        forward_extra=float(forward_extra), backward_extra=float(walks.backward_extra),
+        input_extra=float(walks.input_extra), kept_for_weight=float(walks.kept),
+        weight_extra=float(walks.weight_extra),
     )

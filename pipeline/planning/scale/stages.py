@@ -22,10 +22,27 @@ from pipeline.planning.scale.units import DTYPES, Units
 
 
 @dataclass(frozen=True)
+class Working:
+    """One unit's bytes for one microbatch beyond what the rank holds when each phase starts
+    (pricing.UnitPrice's working sets; the recompute working set is in `backward` and
+    `input_grad`): held from its F to its B (or W), F's temporaries, a whole backward's, a
+    split B's and what it keeps until W, W's beyond the weight grads it makes, and those
+    weight grads (`grads`: elements)."""
+
+    held: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    input_grad: float = 0.0
+    kept: float = 0.0
+    weight_grad: float = 0.0
+    grads: int = 0
+
+
+@dataclass(frozen=True)
 class UnitCost:
     """One unit of the chain for one microbatch: seconds of F, B, W; activation bytes held
     per in-flight microbatch; extra bytes while it recomputes; parameters; output bytes
-    sent to the next stage."""
+    sent to the next stage; its working sets (`memory`)."""
 
     forward: float
     input_grad: float
@@ -34,13 +51,14 @@ class UnitCost:
     working: float
     parameters: int
     output: float
+    memory: Working = Working()
 
 
 @dataclass(frozen=True)
 class StageCosts:
     """Per stage: F, B, W seconds, held activation bytes per microbatch, the largest
     recompute working set, parameters, the bytes crossing to the next stage, its unit count
-    and its largest unit's parameters."""
+    and its largest unit's parameters; its units' working sets in chain order (`units`)."""
 
     forward: list[float]
     input_grad: list[float]
@@ -51,6 +69,7 @@ class StageCosts:
     boundary: list[float]
     sizes: list[int]
     largest_unit: list[int]
+    units: list[tuple[Working, ...]]
 
 
 def tp_collective(job: Job, layout: Layout, nbytes: float) -> float:
@@ -64,6 +83,14 @@ def tp_collective(job: Job, layout: Layout, nbytes: float) -> float:
         return (collective_seconds(net, "all_gather", nbytes, group)
                 + collective_seconds(net, "reduce_scatter", nbytes, group))
     return collective_seconds(net, "all_reduce", nbytes, group)
+
+
+def working_sets(unit: UnitPrice, held: float, redo: float = 0.0, shard: float = 1.0) -> Working:
+    """`unit`'s working sets holding `held` bytes per microbatch, `redo` more in its B while
+    it recomputes, its activation bytes cut by `shard` (sequence parallelism)."""
+    return Working(held, unit.forward_extra / shard, unit.backward_extra / shard + redo,
+                   unit.input_extra / shard + redo, unit.kept_for_weight / shard,
+                   unit.weight_extra / shard, unit.parameters)
 
 
 def _block(units: Units, layout: Layout, comm: float) -> UnitCost:
@@ -80,12 +107,13 @@ def _block(units: Units, layout: Layout, comm: float) -> UnitCost:
         b, held, working = b + blk.core_seconds, saved - core, core
     elif layout.recompute == "full":
         b, held, working = b + f, blk.input_bytes / t if sp else blk.input_bytes, saved
-    return UnitCost(f, b, w, held, working, blk.parameters, blk.output_bytes / t)
+    return UnitCost(f, b, w, held, working, blk.parameters, blk.output_bytes / t,
+                    working_sets(blk, held, working, t if sp else 1.0))
 
 
 def _edge(unit: UnitPrice, f_comm: float, b_comm: float, out: float) -> UnitCost:
     return UnitCost(unit.forward + f_comm, unit.input_grad + b_comm, unit.weight_grad,
-                    unit.saved, 0.0, unit.parameters, out)
+                    unit.saved, 0.0, unit.parameters, out, working_sets(unit, unit.saved))
 
 
 def unit_chain(job: Job, layout: Layout, units: Units) -> list[UnitCost]:
@@ -93,7 +121,7 @@ def unit_chain(job: Job, layout: Layout, units: Units) -> list[UnitCost]:
     spec = job.spec
     if not isinstance(spec, TransformerSpec):
         return [UnitCost(u.forward, u.input_grad, u.weight_grad, u.saved, 0.0, u.parameters,
-                         u.output_bytes) for u in units.chain]
+                         u.output_bytes, working_sets(u, u.saved)) for u in units.chain]
     act = units.microbatch_size * spec.seq * spec.hidden * (
         DTYPES[job.precision].itemsize)
     comm = tp_collective(job, layout, act)
@@ -150,4 +178,5 @@ def stage_costs(job: Job, layout: Layout, units: Units) -> StageCosts:
         boundary=[s[-1].output for s in stages],
         sizes=sizes,
         largest_unit=[max(u.parameters for u in s) for s in stages],
+        units=[tuple(u.memory for u in s) for s in stages],
     )
