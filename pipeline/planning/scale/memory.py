@@ -211,9 +211,28 @@ class _Walk:
         self._release(a, stage)
 
 
+_Peak = tuple[float, float, float, float, float]
+_WALKED: dict[tuple[int, int, int, str, tuple[float, ...]], tuple[Schedule, StageCosts, _Peak]] = {}
+"""Walks done, by schedule, costs, rank, transport and gradient bytes: a search finishes
+each simulated layout under every ZeRO choice, which mostly leave the walk as it was."""
+
+
 def _walk(job: Job, schedule: Schedule, costs: StageCosts, rank: int,
-          grads: dict[int, float]) -> tuple[float, float, float, float, float]:
+          grads: dict[int, float]) -> _Peak:
     """(total, activations, working, gradients, p2p) at the rank's step peak."""
+    key = (id(schedule), id(costs), rank, job.target.transport, tuple(grads.values()))
+    seen = _WALKED.get(key)
+    if seen is not None and seen[0] is schedule and seen[1] is costs:
+        return seen[2]
+    if len(_WALKED) > 4096:
+        _WALKED.clear()
+    peak = _walked(job, schedule, costs, rank, grads)
+    _WALKED[key] = (schedule, costs, peak)
+    return peak
+
+
+def _walked(job: Job, schedule: Schedule, costs: StageCosts, rank: int,
+            grads: dict[int, float]) -> _Peak:
     walk = _Walk(job, schedule, costs, rank, grads)
     split = schedule.splits_backward
     for a in schedule.actions[rank]:
