@@ -23,7 +23,7 @@
     microbatch's B; a received gradient lives until its B ends; a sent activation is the
     stage output, kept until its B. The gloo transport (the CPU target) posts every receive
     of the step (up to AHEAD_BYTES per peer) when the step starts and keeps each send until
-    the step's end (pipeline.execution.distributed.p2p);
+    the step's end (the runtime's p2p transport under gloo);
   - two 25 MiB gradient buckets under data parallelism (torch DDP's bucket_cap_mb default).
 `Memory` is the rank's peak moment, by part.
 """
@@ -36,7 +36,7 @@ from typing import Any
 from pipeline.planning.scale.layout import Job, Layout
 from pipeline.planning.scale.stages import StageCosts, Working
 from scheduler import Schedule
-from scheduler.ir import Action, Op
+from scheduler.ir import Op
 
 BUCKET = 25 * 2**20
 AHEAD_BYTES = 64 * 2**20
@@ -126,91 +126,6 @@ def _stage_peaks(units: tuple[Working, ...], grad_byte: float) -> _StagePeaks:
     return _StagePeaks(held, kept, made, forward, backward, first, input_grad, weight, plain)
 
 
-class _Walk:
-    """One rank's step, action by action: bytes held now by part and the peak moment."""
-
-    def __init__(self, job: Job, schedule: Schedule, costs: StageCosts, rank: int,
-                 grads: dict[int, float]) -> None:
-        self.schedule, self.costs, self.rank = schedule, costs, rank
-        self.gloo = job.target.transport == "gloo"
-        self.stages = {s: _stage_peaks(costs.units[s], grads[s] / max(1, costs.parameters[s]))
-                       for s in grads}
-        self.held = self.kept = self.p2p = self.grads = 0.0
-        self.peak = (0.0, 0.0, 0.0, 0.0, 0.0)  # total, held, working, gradients, p2p
-        self.started: set[int] = set()
-        self.later: dict[tuple[int, int], float] = {}  # p2p bytes freed at a microbatch's B
-        place = schedule.placement
-        n = schedule.num_stages
-        self.gets_act = [s > 0 and place[s - 1] != place[s] for s in range(n)]
-        self.gets_grad = [s < n - 1 and place[s + 1] != place[s] for s in range(n)]
-        if self.gloo:
-            self.p2p = self._posted()
-
-    def _posted(self) -> float:
-        per_peer: dict[int, float] = {}
-        place, boundary = self.schedule.placement, self.costs.boundary
-        for a in self.schedule.actions[self.rank]:
-            if a.op is Op.F and self.gets_act[a.stage]:
-                peer = place[a.stage - 1]
-                per_peer[peer] = per_peer.get(peer, 0.0) + boundary[a.stage - 1]
-            if a.op is Op.B and self.gets_grad[a.stage]:
-                peer = place[a.stage + 1]
-                per_peer[peer] = per_peer.get(peer, 0.0) + boundary[a.stage]
-        return sum(min(b, AHEAD_BYTES) for b in per_peer.values())
-
-    def see(self, working: float) -> None:
-        total = self.held + self.kept + working + self.grads + self.p2p
-        if total > self.peak[0]:
-            self.peak = (total, self.held + self.kept, working, self.grads, self.p2p)
-
-    def _later(self, key: tuple[int, int], nbytes: float) -> None:
-        self.later[key] = self.later.get(key, 0.0) + nbytes
-
-    def forward(self, a: Action) -> None:
-        s, stage, boundary = a.stage, self.stages[a.stage], self.costs.boundary
-        if self.gets_act[s]:  # the received input, kept until B
-            if not self.gloo:
-                self.p2p += boundary[s - 1]
-            self._later((s, a.microbatch), boundary[s - 1])
-        self.see(stage.forward)
-        self.held += stage.held
-        if s < self.schedule.num_stages - 1:  # the stage output: sent, or mailed on this rank
-            self.p2p += boundary[s]
-            if not (self.gloo and self.gets_grad[s]):
-                self._later((s, a.microbatch), boundary[s])
-
-    def _release(self, a: Action, stage: _StagePeaks) -> None:
-        self.held -= stage.held
-        self.p2p -= self.later.pop((a.stage, a.microbatch), 0.0)
-        if a.stage not in self.started:
-            self.started.add(a.stage)
-            self.grads += stage.grads
-
-    def backward(self, a: Action, split: bool) -> None:
-        s, stage, boundary = a.stage, self.stages[a.stage], self.costs.boundary
-        if self.gets_grad[s] and not self.gloo:
-            self.p2p += boundary[s]
-        if split and s > 0:
-            self.see(stage.input_grad)
-            self.kept += stage.kept
-        elif not split:
-            self.see(stage.backward if s in self.started else stage.first_backward)
-            self._release(a, stage)
-        if self.gets_grad[s]:
-            self.p2p -= boundary[s]
-        if self.gets_act[s] and self.gloo:  # the input grad sent, kept to the step's end
-            self.p2p += boundary[s - 1]
-
-    def weight(self, a: Action) -> None:
-        s, stage = a.stage, self.stages[a.stage]
-        if s == 0:  # a plain backward pass, the graph freed as it goes
-            self.see(stage.plain_weight_grad)
-        else:  # from what B kept, the graph kept until the stage's W ends
-            self.see(stage.weight_grad)
-            self.kept -= stage.kept
-        self._release(a, stage)
-
-
 _Peak = tuple[float, float, float, float, float]
 _WALKED: dict[tuple[int, int, int, str, tuple[float, ...]], tuple[Schedule, StageCosts, _Peak]] = {}
 """Walks done, by schedule, costs, rank, transport and gradient bytes: a search finishes
@@ -231,19 +146,79 @@ def _walk(job: Job, schedule: Schedule, costs: StageCosts, rank: int,
     return peak
 
 
+def _posted(schedule: Schedule, costs: StageCosts, rank: int, gets_act: list[bool],
+            gets_grad: list[bool]) -> float:
+    """The bytes of every receive of the step, per peer up to AHEAD_BYTES (gloo)."""
+    per_peer: dict[int, float] = {}
+    place, boundary = schedule.placement, costs.boundary
+    for a in schedule.actions[rank]:
+        if a.op is Op.F and gets_act[a.stage]:
+            peer = place[a.stage - 1]
+            per_peer[peer] = per_peer.get(peer, 0.0) + boundary[a.stage - 1]
+        if a.op is Op.B and gets_grad[a.stage]:
+            peer = place[a.stage + 1]
+            per_peer[peer] = per_peer.get(peer, 0.0) + boundary[a.stage]
+    return sum(min(b, AHEAD_BYTES) for b in per_peer.values())
+
+
 def _walked(job: Job, schedule: Schedule, costs: StageCosts, rank: int,
             grads: dict[int, float]) -> _Peak:
-    walk = _Walk(job, schedule, costs, rank, grads)
-    split = schedule.splits_backward
+    """The walk itself, one pass over the rank's actions (a search runs it thousands of
+    times: kept to plain locals). Working sets are each action's peak over what it starts
+    with (`_StagePeaks`); a received activation is kept until its microbatch's B, as is the
+    stage output unless gloo keeps the send to the step's end."""
+    gloo, n, m = job.target.transport == "gloo", schedule.num_stages, schedule.num_microbatches
+    place, boundary, split = schedule.placement, costs.boundary, schedule.splits_backward
+    peaks = {s: _stage_peaks(costs.units[s], grads[s] / max(1, costs.parameters[s]))
+             for s in grads}
+    gets_act = [s > 0 and place[s - 1] != place[s] for s in range(n)]
+    gets_grad = [s < n - 1 and place[s + 1] != place[s] for s in range(n)]
+    later = [0.0] * (n * m)  # p2p bytes freed at a microbatch's B
+    started = [False] * n
+    held = kept = made = 0.0
+    p2p = _posted(schedule, costs, rank, gets_act, gets_grad) if gloo else 0.0
+    best: _Peak = (0.0, 0.0, 0.0, 0.0, 0.0)
     for a in schedule.actions[rank]:
-        if a.op is Op.F:
-            walk.forward(a)
-        elif a.op is Op.B:
-            walk.backward(a, split)
+        s, op, st = a.stage, a.op, peaks[a.stage]
+        key = s * m + a.microbatch
+        if op is Op.F:
+            if gets_act[s]:
+                p2p += 0.0 if gloo else boundary[s - 1]
+                later[key] += boundary[s - 1]
+            work = st.forward
+        elif op is Op.B:
+            p2p += boundary[s] if gets_grad[s] and not gloo else 0.0
+            work = (st.input_grad if s > 0 else 0.0) if split else (
+                st.backward if started[s] else st.first_backward)
         else:
-            walk.weight(a)
-        walk.see(0.0)
-    return walk.peak
+            work = st.plain_weight_grad if s == 0 else st.weight_grad
+        total = held + kept + work + made + p2p
+        if total > best[0]:
+            best = (total, held + kept, work, made, p2p)
+        if op is Op.F:
+            held += st.held
+            if s < n - 1:  # the stage output: sent, or mailed to a stage on this rank
+                p2p += boundary[s]
+                if not (gloo and gets_grad[s]):
+                    later[key] += boundary[s]
+            continue
+        if op is Op.B:
+            kept += st.kept if split and s > 0 else 0.0
+            p2p -= boundary[s] if gets_grad[s] else 0.0
+            p2p += boundary[s - 1] if gets_act[s] and gloo else 0.0  # kept to the step's end
+        elif s > 0:
+            kept -= st.kept
+        if op is Op.W or not split:  # the microbatch's last backward action
+            held -= st.held
+            p2p -= later[key]
+            later[key] = 0.0
+            if not started[s]:
+                started[s] = True
+                made += st.grads
+        total = held + kept + made + p2p
+        if total > best[0]:
+            best = (total, held + kept, 0.0, made, p2p)
+    return best
 
 
 def memory_per_rank(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
