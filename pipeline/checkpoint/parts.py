@@ -5,15 +5,26 @@ under its global rank (``__<rank>_<n>.distcp``) and its part of DCP's index to
 ``__<rank>.metadata`` (torch's rank-local format, ``use_collectives=False``); once every
 process is done, global rank 0 merges the parts (`merge_parts`) into the one ``.metadata``
 that loading reads. The parts travel through the checkpoint directory, which is trusted
-(its files are unpickled at load anyway), never through the network."""
+(its files are unpickled at load anyway), never through the network.
+
+A DTensor shard is one chunk of its tensor, except a fused projection's tensor-parallel shard
+(``_StridedShard``: each rank holds its part of each of the projection's chunks, which is no
+contiguous block; DCP would record it as one and load it wrong at another tp degree). Such a
+shard is written as one piece per projection chunk (`strided_pieces`, each a plain
+``Shard`` of that chunk under a key of its own), and the merge turns the pieces back into
+chunks of the one tensor (`merge`), so the index holds every tensor under its model key, as
+one whole tensor that loads at any layout."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
@@ -23,8 +34,36 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 PART = "__{rank}.metadata"  # torch's name for a rank-local index
+_PIECE = "{key}@strided:dim{dim}:{j}of{n}"  # one projection chunk of a strided shard
+_PIECE_KEY = re.compile(r"^(?P<key>.*)@strided:dim(?P<dim>\d+):(?P<j>\d+)of(?P<n>\d+)$")
+
+
+def strided_pieces(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors` with each DTensor held as a ``_StridedShard`` (a fused projection's
+    tensor-parallel shard: this rank's heads of q, k and v) replaced by one piece per
+    projection chunk, each a ``Shard`` of that chunk (a contiguous block DCP can record);
+    `merge` makes them chunks of the one tensor again."""
+    out: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        placement = t.placements[0] if isinstance(t, DTensor) and t.device_mesh.ndim == 1 \
+            else None
+        n = placement.split_factor if isinstance(placement, _StridedShard) else None
+        if not isinstance(t, DTensor) or not isinstance(placement, _StridedShard) \
+                or not isinstance(n, int) or n < 2:
+            out[key] = t
+            continue
+        local = t.to_local()
+        dim = placement.dim
+        size = local.shape[dim] // n
+        for j in range(n):
+            piece = local.narrow(dim, j * size, size).contiguous()
+            out[_PIECE.format(key=key, dim=dim, j=j, n=n)] = DTensor.from_local(
+                piece, t.device_mesh, [Shard(dim)], run_check=False)
+    return out
 
 
 class RankWriter(FileSystemWriter):
@@ -65,14 +104,57 @@ def _merge_entry(key: str, have: STORAGE_TYPES, item: STORAGE_TYPES) -> None:
     have.chunks.extend(c for c in item.chunks if _chunk_key(c) not in seen)
 
 
+def _shifted(chunk: ChunkStorageMetadata, dim: int, by: int) -> torch.Size:
+    offsets = list(chunk.offsets)
+    offsets[dim] += by
+    return torch.Size(offsets)
+
+
+def _rejoined(part: Metadata) -> Metadata:
+    """`part` with the pieces of strided shards (`strided_pieces`) as chunks of their tensor:
+    piece j of n holds block j of the tensor's n along its dim."""
+    entries: dict[str, STORAGE_TYPES] = {}
+    moved: dict[str, tuple[str, int, int]] = {}  # piece key -> (key, dim, offset of block j)
+    for key, item in part.state_dict_metadata.items():
+        found = _PIECE_KEY.match(key)
+        if found is None or not isinstance(item, TensorStorageMetadata):
+            entries[key] = item
+            continue
+        base, dim, j, n = (found["key"], int(found["dim"]), int(found["j"]), int(found["n"]))
+        by = j * item.size[dim]
+        moved[key] = (base, dim, by)
+        size = list(item.size)
+        size[dim] *= n
+        chunks = [ChunkStorageMetadata(offsets=_shifted(c, dim, by), sizes=c.sizes)
+                  for c in item.chunks]
+        whole = TensorStorageMetadata(item.properties, torch.Size(size), chunks)
+        if base in entries:
+            _merge_entry(base, entries[base], whole)
+        else:
+            entries[base] = whole
+    storage: dict[MetadataIndex, Any] = {}
+    for index, info in (part.storage_data or {}).items():
+        if index.fqn in moved and index.offset is not None:
+            base, dim, by = moved[index.fqn]
+            offsets = list(index.offset)
+            offsets[dim] += by
+            index = MetadataIndex(base, torch.Size(offsets))
+        storage[index] = info
+    planner_data = {k: v for k, v in (part.planner_data or {}).items() if k not in moved}
+    planner_data.update({base: (base,) for base, _, _ in moved.values()})
+    return Metadata(state_dict_metadata=entries, planner_data=planner_data,
+                    storage_data=storage)
+
+
 def merge(parts: list[Metadata]) -> Metadata:
     """One index from the processes' parts: each tensor's chunks (a DTensor's shards become
-    one tensor's chunks) and where each chunk is stored (the first process's copy of a
-    chunk several wrote). A ValueError if a tensor's chunks do not cover it."""
+    one tensor's chunks, the pieces of a strided shard too) and where each chunk is stored
+    (the first process's copy of a chunk several wrote). A ValueError if a tensor's chunks
+    do not cover it."""
     tensors: dict[str, STORAGE_TYPES] = {}
     storage: dict[MetadataIndex, Any] = {}
     planner_data: dict[str, Any] = {}
-    for part in parts:
+    for part in map(_rejoined, parts):
         for key, item in part.state_dict_metadata.items():
             if key not in tensors:
                 tensors[key] = (

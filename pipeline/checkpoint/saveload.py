@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from pipeline.checkpoint.background import AsyncWriter
 from pipeline.checkpoint.checksums import (
@@ -60,7 +61,7 @@ from pipeline.checkpoint.optim import (
     _param_names,
     _qualname,
 )
-from pipeline.checkpoint.parts import merge_parts
+from pipeline.checkpoint.parts import merge_parts, strided_pieces
 from pipeline.checkpoint.state_dict import (
     TensorSpec,
     _processes,
@@ -68,7 +69,12 @@ from pipeline.checkpoint.state_dict import (
     load_state_dict,
     local_state,
 )
-from pipeline.execution.processes import Processes, hyperparameters_loaded, local_optimizer
+from pipeline.execution.processes import (
+    Processes,
+    hyperparameters_loaded,
+    laid_out_as,
+    local_optimizer,
+)
 
 FORMAT = "hybridpipe-checkpoint"
 VERSION = 2
@@ -160,7 +166,7 @@ def save_checkpoint(
     root = _checkpoint_root(path)
     tensors, values, optimizer_info = _state_to_save(stage_modules, spec, optimizer, model)
     procs = _processes(processes, stage_modules)
-    tensors = _written_here(tensors, procs, optimizer)
+    tensors = strided_pieces(_written_here(tensors, procs, optimizer))
     need = _nbytes(tensors)
     with procs.guard("checkpoint save"):
         if writer is not None:
@@ -358,6 +364,20 @@ def _targets(
     return target
 
 
+def _buffer(like: Tensor | None, item: TensorStorageMetadata) -> Tensor:
+    """Where a stored tensor is read: this process's shard of a DTensor target (on its
+    device, a meta one's too), else the whole tensor; a fused projection's strided shard
+    (``_StridedShard``, no contiguous block of the tensor) is read whole and cut after."""
+    dtype = item.properties.dtype
+    if not isinstance(like, DTensor) or tuple(like.shape) != tuple(item.size) or any(
+            isinstance(p, _StridedShard) for p in like.placements):
+        return torch.empty(item.size, dtype=dtype)
+    mesh = like.device_mesh
+    local = torch.empty(like.to_local().shape, dtype=dtype, device=mesh.device_type)
+    return DTensor.from_local(local, mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     stage_modules: Mapping[int, nn.Module],
@@ -409,14 +429,17 @@ def load_checkpoint(
         item = stored[key]
         if not isinstance(item, TensorStorageMetadata):
             raise ValueError(f"{source} holds {key!r} as bytes, not a tensor; it was damaged")
-        like = targets(key)
-        if isinstance(like, DTensor) and tuple(like.shape) == tuple(item.size):
-            buffers[key] = torch.empty_like(like, dtype=item.properties.dtype)  # its shard
-        else:
-            buffers[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        buffers[key] = _buffer(targets(key), item)
     if buffers:
         _read(version, buffers, source)
-    # Everything is checked and read: change the optimizer, then the stages.
+    for key, value in buffers.items():  # a whole tensor read for a shard: cut it (the model's
+        like = targets(key)  # are cut as they load, by load_state_dict)
+        if key.startswith("optim.") and like is not None and like.shape == value.shape:
+            buffers[key] = laid_out_as(like, value)
+    # Everything is checked and read: change the stages, then the optimizer (whose state
+    # takes its parameters' device: a meta model's get theirs as they load).
+    state = {k[len("model."):]: v for k, v in buffers.items() if k.startswith("model.")}
+    load_state_dict(stage_modules, state, spec, strict=False, source=source, model=model)
     if outer is not None and inner is not None and model is not None:
         flat.update({k[len("optim."):]: v for k, v in buffers.items() if k.startswith("optim.")})
         set_optimizer_state_dict(
@@ -425,6 +448,4 @@ def load_checkpoint(
             options=NESTED,
         )
         hyperparameters_loaded(outer)
-    state = {k[len("model."):]: v for k, v in buffers.items() if k.startswith("model.")}
-    load_state_dict(stage_modules, state, spec, strict=False, source=source, model=model)
     return meta["extra"]

@@ -17,12 +17,16 @@ meta tensors are written: while a module's initialisation runs, the other tensor
 (loaded from a state dict already) are stood in for by meta ones, so filling the
 non-persistent buffers a checkpoint lacks (Hugging Face's rotary ``inv_freq``) leaves the
 loaded weights alone. Loading a state dict into meta tensors keeps the objects the same way
-(`fill_in_place`).
+(`fill_in_place`, a tensor-parallel shard's too).
 
 A module whose initialisation draws random numbers for tensors on stages of different processes
 would draw differently (the other process's meta tensors consume none); capture keeps a leaf
 module's tensors in one unit (Linear, Embedding, and a transformer block by default), so only
 an init drawing across such units (a root-level one) could depend on the layout.
+
+A tensor-parallel shard (a meta DTensor: tensor_parallel= on a model built on meta) is
+initialised whole, as in the unsplit model, then cut to this process's shard at once, so
+it keeps only its own shards (the stage's whole tensors exist while its init runs).
 
 `meta_tensors` names the meta tensors a process's stages still hold, for the check before a
 step (pipeline.execution.executor)."""
@@ -36,7 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from partitioner.rebind import rebind, swap_in
 from pipeline.execution.replaced import replaced
@@ -140,7 +144,12 @@ def materialize(
     if not olds:
         return []
     holders = [model, *modules, *holders]
-    made = _replace(holders, olds, fresh)
+    shards: dict[int, DTensor] = {
+        key: t for key, t in olds.items() if isinstance(t, DTensor)}
+    plain = {key: t for key, t in olds.items() if key not in shards}
+    made = _replace(holders, plain, fresh)
+    rebind(holders, {key: fresh[key] for key in shards})  # whole while the init runs
+    made += [fresh[key] for key in shards]
     targets = {id(t): t for t in made}
     versions = {key: t._version for key, t in targets.items()}
     below: dict[int, torch.device] = {}  # module id -> device of a target in its subtree
@@ -156,11 +165,34 @@ def materialize(
         _check_written(model, targets, versions, init_fn)
     except ValueError:
         # Back on meta: nothing half-made is left, and a retry starts afresh.
-        _replace(holders, {id(t): t for t in made},
+        rebind(holders, {id(fresh[key]): t for key, t in shards.items()})
+        _replace(holders, {id(t): t for t in made[:len(plain)]},
                  {id(t): _fresh(old, torch.device("meta"))
-                  for t, old in zip(made, olds.values(), strict=True)})
+                  for t, old in zip(made, plain.values(), strict=False)})
         raise
-    return _names(model, set(targets))
+    names = _names(model, set(targets))
+    _cut(holders, shards, fresh)
+    return names
+
+
+def _cut(holders: Sequence[nn.Module], shards: Mapping[int, DTensor],
+         wholes: Mapping[int, Tensor]) -> None:
+    """Each tensor-parallel shard (a meta DTensor), initialised whole (`wholes`, by its id),
+    cut to this process's shard and swapped into the DTensor object in place (an optimizer
+    over it trains it); the whole value is then dropped."""
+    back: dict[int, Tensor] = {}
+    for key, old in shards.items():
+        whole = wholes[key]
+        value = distribute_tensor(whole.detach(), old.device_mesh, old.placements,
+                                  src_data_rank=None)
+        new = nn.Parameter(value, requires_grad=old.requires_grad) \
+            if isinstance(old, nn.Parameter) else value
+        if swap_in(old, new):
+            back[id(whole)] = old
+        else:
+            back[id(whole)] = new
+            replaced([old])
+    rebind(holders, back)
 
 
 def _replace(holders: Sequence[nn.Module], olds: dict[int, Tensor], news: dict[int, Tensor]
@@ -215,11 +247,27 @@ def fill_in_place(tensors: Mapping[str, Tensor], values: Mapping[str, Tensor]) -
     `_replace`)."""
     for key, t in tensors.items():
         value = values.get(key)
-        if (value is None or not t.is_meta or isinstance(t, DTensor)
-                or isinstance(value, DTensor)):
+        if value is None or not t.is_meta:
             continue
-        if not swap_in(t, _fresh(t, value.device, value.dtype)):
+        if isinstance(t, DTensor) and isinstance(value, DTensor):
+            made = _fresh_shard(t, value)
+        elif not isinstance(t, DTensor) and not isinstance(value, DTensor):
+            made = _fresh(t, value.device, value.dtype)
+        else:
+            continue
+        if not swap_in(t, made):
             replaced([t])
+
+
+def _fresh_shard(t: DTensor, value: DTensor) -> Tensor:
+    """A DTensor like `t` (a meta tensor-parallel shard: its mesh, placements and global
+    shape) with a local shard of its own on `value`'s device, in `value`'s dtype."""
+    local = torch.empty(value.to_local().shape, dtype=value.dtype, device=value.device)
+    new: Tensor = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                     shape=t.shape, stride=t.stride())
+    if isinstance(t, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    return new
 
 
 def _fresh(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:

@@ -108,6 +108,7 @@ def laid_out_as(target: Tensor, value: Tensor) -> Tensor:
     """`value` (a whole tensor) as `target` is laid out: for a DTensor target, this process's
     shard of it (cut locally: every process holds the whole value); otherwise `value`."""
     if isinstance(target, DTensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
+        device = target.device_mesh.device_type if target.is_meta else target.device
+        return distribute_tensor(value.to(device), target.device_mesh, target.placements,
                                  src_data_rank=None)
     return value

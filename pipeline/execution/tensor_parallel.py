@@ -315,7 +315,8 @@ def shard_parameters(
     only: set[int] | None = None,
 ) -> dict[int, nn.Parameter]:
     """Replace each parameter the `holders` hold by a DTensor Parameter with the plan's
-    placement (every process holds the whole tensor, so its shard is cut locally), in every
+    placement (every process holds the whole tensor, so its shard is cut locally; a meta one
+    becomes a meta DTensor, given its values by materialisation or loading), in every
     holder and slot that holds it (tied ones stay one object). `names`: id -> the name the
     plan knows it by; `only`: the ids to shard (default all). Returns id(old) -> new."""
     made: dict[int, nn.Parameter] = {}
@@ -329,7 +330,7 @@ def shard_parameters(
                     name = names.get(id(p), "")
                     dim, chunks = plan.dim(name), plan.chunks(name)
                     placement: list[Placement] = (
-                        [Replicate()] if dim is None or p.is_meta
+                        [Replicate()] if dim is None
                         else [_StridedShard(dim, split_factor=chunks)] if chunks > 1
                         else [Shard(dim)])
                     value = distribute_tensor(p.detach(), mesh, placement, src_data_rank=None)
@@ -368,8 +369,14 @@ def tensor_parallel(module: fx.GraphModule, plan: TPPlan, mesh: DeviceMesh,
     run on the tp `mesh` (a 1-d DeviceMesh). The parameters are sharded by
     `shard_parameters` (once for the model, as stages share tied weights)."""
     _edit_graph(module, plan, sequence_parallel)
-    inner = type(module).forward.__get__(module)
-    module.forward = TensorParallelStage(inner, mesh, float_inputs(module))
+    module.forward = TensorParallelStage(partial(_current_code, module), mesh,
+                                         float_inputs(module))
+
+
+def _current_code(module: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """The graph's code as it is now: a recompile (a meta model's graph moved to its device
+    once materialised) replaces the class's forward, which a bound method would miss."""
+    return type(module).forward(module, *args, **kwargs)
 
 
 def boundary(module: fx.GraphModule, mesh: DeviceMesh
