@@ -104,7 +104,10 @@ def move_then_rebuild(ctx: DistContext, sharding: Sharding, optimizers: Optimize
     views = iter(zeros)
     mover = UnitMove(ctx, old.model, moves,
                      [next(views) if isinstance(o, ZeroRedundancyOptimizer) else o
-                      for o in alive])
+                      for o in alive],
+                     holders=[old.captured.graph_module, old.captured.unit_module,
+                              new.captured.graph_module, new.captured.unit_module,
+                              *old.modules, *new.modules])
     with ctx.guard("move of the re-balanced units"):
         for zero in zeros:
             zero.gather()

@@ -200,25 +200,23 @@ class DistributedExecutor(Executor):
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None],
                   carrying: Sequence[torch.optim.Optimizer]) -> None:
         """The units whose pipeline rank changes move with their gradients and optimizer
-        state (the known optimizers' and `carrying`'s), then the executor is rebuilt
-        (pipeline.execution.distributed.adoption)."""
-        if self.layout.tensor_parallel > 1:
-            raise ValueError(
-                f"a re-plan moves units between pipeline ranks, but with tensor_parallel="
-                f"{self.layout.tensor_parallel} their parameters are sharded DTensors, which "
-                "the moves do not carry; build the Pipeline with the balance you want "
-                "(balance=[...]) instead of rebalancing"
-            )
+        state (the known optimizers' and `carrying`'s; under tensor parallelism each tp rank
+        its shards), then the executor is rebuilt (pipeline.execution.distributed.adoption)."""
         for optimizer in carrying:
             self.optimizers.offer(optimizer)
         self.last_move = move_then_rebuild(self.context, self.sharding, self.optimizers, old, new,
                                         rebuild)
+        self.transport.forget_shapes()  # the new stages send other tensors at their cuts
+        self.agreement.forget_messages()
 
     def measure_units(self, decision: Decision) -> Captured:
-        """As `Executor.measure_units`; not under shard="full", whose units hold shards."""
-        if self.shard == "full":
+        """As `Executor.measure_units`; not under shard="full" or tensor_parallel > 1, whose
+        units hold shards."""
+        if self.shard == "full" or self.layout.tensor_parallel > 1:
+            how = ("shard='full'" if self.shard == "full"
+                   else f"tensor_parallel={self.layout.tensor_parallel}")
             raise ValueError(
-                "under shard='full' each process holds shards of its units' weights, which "
+                f"under {how} each process holds shards of its units' weights, which "
                 "cannot be timed unit by unit; build the Pipeline with balance='profile' or "
                 "rebalance=True (global rank 0 profiles the units before the model is split)"
             )

@@ -7,6 +7,13 @@ Every process still has the whole model's structure (the executor emptied the te
 others' stages, keeping the Parameter objects), so a moved tensor is re-materialised in the
 same object: the stage modules, the captured modules and the optimizers keep referring to it.
 
+Under tensor parallelism a moved parameter is a DTensor: each tp rank sends its own shard
+(and its gradient's and optimizer state's shards) to the same tp rank of the new pipeline rank
+(the peers of a move share the sender's tp coordinate), with the placements in the manifest;
+the receiver wraps what arrives as a DTensor of the same placements on its tp mesh, a new
+Parameter object put wherever the old one was held (the model, the captured and stage
+modules, the optimizers), so nothing is gathered and the values are exact.
+
 Failure safety: what arrives is staged first; only once every process has received all it
 needs (an all-reduce over the job, within the timeout) is anything changed, so a rank that
 fails during the move leaves every process on the old plan, and the failure protocol makes
@@ -23,7 +30,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from partitioner.rebind import rebind
 from pipeline.execution.distributed.context import DistContext
 
 
@@ -91,7 +101,37 @@ def _dtype(text: str) -> torch.dtype:
 
 
 def _spec(t: Tensor) -> list[Any]:
+    """Shape, dtype, whether on the CPU; a DTensor's: its local shard's, then its placements
+    and its global shape."""
+    if isinstance(t, DTensor):
+        return [list(t.to_local().shape), str(t.dtype), t.device.type == "cpu",
+                [_placement_text(p) for p in t.placements], list(t.shape)]
     return [list(t.shape), str(t.dtype), t.device.type == "cpu"]
+
+
+def _placement_text(p: Placement) -> list[Any]:
+    if isinstance(p, _StridedShard):
+        return ["strided", p.dim, p.split_factor]
+    if isinstance(p, Shard):
+        return ["shard", p.dim]
+    if isinstance(p, Replicate):
+        return ["replicate"]
+    raise ValueError(f"a moved tensor is a DTensor placed {p}, which a move does not carry; "
+                     "rebalance between steps, once the gradients are committed")
+
+
+def _placement(text: list[Any]) -> Placement:
+    if text[0] == "strided":
+        return _StridedShard(int(text[1]), split_factor=int(text[2]))
+    if text[0] == "shard":
+        return Shard(int(text[1]))
+    if text[0] == "replicate":
+        return Replicate()
+    raise ValueError(f"unknown placement {text!r} in a move manifest")
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _where(opt: OptimizerLike, p: Tensor) -> int:
@@ -115,8 +155,9 @@ class UnitMove:
     of `optimizers` (the same optimizers, in the same order, on every process)."""
 
     def __init__(self, ctx: DistContext, model: nn.Module, moves: Moves,
-                 optimizers: Sequence[OptimizerLike]) -> None:
+                 optimizers: Sequence[OptimizerLike], holders: Sequence[nn.Module] = ()) -> None:
         self.ctx, self.moves, self.optimizers = ctx, moves, list(optimizers)
+        self.holders = [model, *holders]  # where an arriving tp shard's new Parameter goes
         self.tensors = model_tensors(model)
         self.params = {id(p) for p in model.parameters()}
         self.bytes_sent = 0
@@ -151,7 +192,7 @@ class UnitMove:
                 state = opt.state.get(t, {})
                 out += [v for _, v in sorted(state.items()) if isinstance(v, Tensor)]
         device = self.ctx.device
-        return [x.detach().to(device).contiguous() for x in out]
+        return [_local(x.detach()).to(device).contiguous() for x in out]
 
     def exchange(self, sends: dict[int, list[Tensor]], receives: dict[int, list[Tensor]],
                  what: str) -> None:
@@ -210,7 +251,12 @@ class UnitMove:
         def empty(spec: list[Any]) -> Tensor:
             t = torch.empty(spec[0], dtype=_dtype(spec[1]), device=device)
             into.append(t)
-            return t
+            if len(spec) < 5:
+                return t
+            shape = torch.Size(spec[4])  # a tp shard: received into its local tensor
+            return DTensor.from_local(t, self.ctx.tp_mesh, [_placement(p) for p in spec[3]],
+                                      run_check=False, shape=shape,
+                                      stride=torch.empty(shape, device="meta").stride())
 
         value_spec, grad_spec, states = entry
         if len(states) != len(self.optimizers) or any(
@@ -246,11 +292,18 @@ class UnitMove:
     def commit(self, staged: dict[str, Arrived]) -> None:
         """Re-materialise what arrived and let go of what left (tensors, grads, optimizer
         state and param-group membership); the executor frees the left tensors at load."""
+        replaced: dict[int, Tensor] = {}
         with torch.no_grad():
             for name, arrived in staged.items():
                 t = self.tensors[name]
-                t.data = arrived.value
-                if id(t) in self.params:
+                is_param = id(t) in self.params
+                if isinstance(arrived.value, DTensor):  # a tp shard: a new object
+                    new = nn.Parameter(arrived.value, requires_grad=t.requires_grad) \
+                        if is_param else arrived.value
+                    replaced[id(t)] = self.tensors[name] = t = new
+                else:
+                    t.data = arrived.value
+                if is_param:
                     t.grad = arrived.grad
                 for opt, (group, state, on_cpu) in zip(self.optimizers, arrived.states,
                                                         strict=True):
@@ -264,6 +317,7 @@ class UnitMove:
                     opt.state.pop(t, None)
                     for pg in opt.param_groups:
                         pg["params"] = [q for q in pg["params"] if q is not t]
+        rebind(self.holders, replaced)
 
     @staticmethod
     def _arrive(opt: OptimizerLike, t: Tensor, group: int,

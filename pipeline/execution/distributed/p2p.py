@@ -251,6 +251,12 @@ class P2PTransport:
             for peer in self._queue:
                 self._fill(peer)
 
+    def forget_shapes(self) -> None:
+        """Drop the message shapes learnt per batch-shape key (the stages changed: their
+        boundaries carry other tensors); the next step of each key learns them again."""
+        self._metas.clear()
+        self._plans.clear()
+
     def _fill(self, peer: int) -> None:
         """Post receives from `peer` ahead: up to `prefetch` of them, and more while the
         buffers posted and not yet consumed stay within `ahead_bytes`."""

@@ -48,6 +48,10 @@ class StepAgreement:
             self._incoming[(mode, count)] = incoming(lower(schedule), self.layout.pp_rank)
         return self._incoming[(mode, count)]
 
+    def forget_messages(self) -> None:
+        """Drop the messages derived from the schedule (a new decision was adopted)."""
+        self._incoming.clear()
+
     def agree_key(
         self, schedule: Schedule, mode: str, count: int,
         inputs: Sequence[tuple[Tensor, ...]] | None, targets: Sequence[Any] | None = None,

@@ -12,9 +12,7 @@ unsplit run's to 1e-9:
   unsplit model's initial values, and the parameter bytes a process holds are about
   1/(pp x tp) of the model's;
 - ``pipe.rebalance()`` at pp=2 x tp=2 moves units between pipeline ranks with their shards,
-  gradients and AdamW state, and the next steps keep the unsplit run's losses;
-- ``Checkpointer.resume`` of the pp=2 x tp=2 checkpoint at another layout (pp=1 x tp=2 x
-  dp=2, each replica its half of the batch).
+  gradients and AdamW state, and the next steps keep the unsplit run's losses.
 
 One launch runs every case. This file is also the worker: ``python <this file> tpstate OUT``."""
 
@@ -70,7 +68,7 @@ def _reference() -> list[float]:
         loss = lm_loss(ref(**x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -78,8 +76,9 @@ def _pipe(model: torch.nn.Module, pp: int, tp: int, **options: Any) -> Any:
     from pipeline import Pipeline
     from tests.support.models import lm_loss
 
+    options.setdefault("balance", "parameters")
     return Pipeline(model, stages=pp, tensor_parallel=tp, microbatches=4, loss_fn=lm_loss,
-                    balance="parameters", example_input=_batch(0)[0], **options)
+                    example_input=_batch(0)[0], **options)
 
 
 def _train(pipe: Any, opt: torch.optim.Optimizer, steps: range, want: list[float],
@@ -126,8 +125,9 @@ def _held_bytes(pipe: Any) -> tuple[int, int]:
     return mine, whole
 
 
-def _checkpoints_across_tp(out: Path, want: list[float]) -> None:
-    """pp=2 x tp=2 -> pp=4 x tp=1 -> (built on meta) pp=2 x tp=2, model and AdamW state."""
+def _checkpoints_across_tp(out: Path, want: list[float]) -> int:
+    """pp=2 x tp=2 -> pp=4 x tp=1 -> (built on meta) pp=2 x tp=2, model and AdamW state.
+    Returns the number of units."""
     import torch.distributed as dist
 
     tp2, tp1 = out / "ckpt-pp2-tp2", out / "ckpt-pp4-tp1"
@@ -137,6 +137,7 @@ def _checkpoints_across_tp(out: Path, want: list[float]) -> None:
     pipe.save_checkpoint(tp2, optimizer=opt)
     if dist.get_rank() == 0:
         _check_strided_chunks(tp2)
+    units = sum(pipe.plan.sizes)
 
     pipe = _pipe(_gpt2(seed=5), 4, 1)  # other initial weights: the load must replace them
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
@@ -153,6 +154,29 @@ def _checkpoints_across_tp(out: Path, want: list[float]) -> None:
     print(f"loaded on meta at pp=2 x tp=2: {mine} of {whole} parameter bytes", flush=True)
     _train(pipe, opt, range(4, 6), want, "tp1 -> meta pp=2 x tp=2")
     print("worker tpstate: checkpoints across tp", flush=True)
+    return units
+
+
+def _rebalance(units: int, want: list[float]) -> None:
+    """pp=2 x tp=2 from a lopsided plan (two units on pipeline rank 0): pipe.rebalance() moves
+    units to rank 0, each tp rank its shards with their grads and AdamW state, and the next
+    steps keep the unsplit run's losses."""
+    from torch.distributed.tensor import DTensor
+
+    # rebalance=True: global rank 0 profiles the units before the model is split
+    pipe = _pipe(_gpt2(), 2, 2, balance=[2, units - 2], rebalance=True)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    _train(pipe, opt, range(0, 2), want, "pp=2 x tp=2 lopsided")
+    before = pipe.plan.sizes
+    report = pipe.rebalance(threshold=-1.0)  # whatever it predicts: the units move
+    print(f"rebalanced at pp=2 x tp=2: {report}", flush=True)
+    assert report.applied and pipe.plan.sizes != before, (report, before)
+    assert pipe.plan.sizes[0] > before[0], (report, before)
+    held = dict(pipe.named_parameters())
+    assert all(isinstance(p, DTensor) for p in held.values()), held
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for p in held.values()}, "the optimizer holds what the stages run"
+    _train(pipe, opt, range(2, 4), want, "pp=2 x tp=2 after the rebalance")
 
 
 def _meta_init() -> None:
@@ -193,7 +217,8 @@ def worker_tpstate(out: Path) -> None:
     dist.init_process_group("gloo")
     planner.capture = memo_capture()  # type: ignore[assignment]
     want = _reference()
-    _checkpoints_across_tp(out, want)
+    units = _checkpoints_across_tp(out, want)
+    _rebalance(units, want)
     _meta_init()
     dist.destroy_process_group()
     print("worker tpstate: every check ran", flush=True)
