@@ -7,7 +7,8 @@ unsplit run's to 1e-9:
   the one tensor (3 per rank), and loads at pp=4 x tp=1 (model and AdamW state) continuing
   with the same losses; saved there, it loads back at pp=2 x tp=2 into a model built on meta
   (each process reads and keeps only its shards), and again the same losses; one process
-  loads the pp=2 x tp=2 checkpoint whole (pp=1, tp=1) with the same losses too;
+  loads the pp=2 x tp=2 checkpoint whole (pp=1, tp=1) with the same losses too, and
+  ``Checkpointer.resume`` (the elastic restart's load) resumes it at pp=1 x tp=2 x dp=2;
 - a model built on meta with ``init_fn`` at pp=2 x tp=2: each process's shards equal the
   unsplit model's initial values, and the parameter bytes a process holds are about
   1/(pp x tp) of the model's;
@@ -77,7 +78,8 @@ def _pipe(model: torch.nn.Module, pp: int, tp: int, **options: Any) -> Any:
     from tests.support.models import lm_loss
 
     options.setdefault("balance", "parameters")
-    return Pipeline(model, stages=pp, tensor_parallel=tp, microbatches=4, loss_fn=lm_loss,
+    options.setdefault("microbatches", 4)
+    return Pipeline(model, stages=pp, tensor_parallel=tp, loss_fn=lm_loss,
                     example_input=_batch(0)[0], **options)
 
 
@@ -130,11 +132,13 @@ def _checkpoints_across_tp(out: Path, want: list[float]) -> int:
     Returns the number of units."""
     import torch.distributed as dist
 
+    from pipeline import Checkpointer
+
     tp2, tp1 = out / "ckpt-pp2-tp2", out / "ckpt-pp4-tp1"
     pipe = _pipe(_gpt2(), 2, 2)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     _train(pipe, opt, range(0, 2), want, "pp=2 x tp=2")
-    pipe.save_checkpoint(tp2, optimizer=opt)
+    Checkpointer(pipe, tp2, opt).save(2)
     if dist.get_rank() == 0:
         _check_strided_chunks(tp2)
     units = sum(pipe.plan.sizes)
@@ -153,6 +157,16 @@ def _checkpoints_across_tp(out: Path, want: list[float]) -> int:
     mine, whole = _held_bytes(pipe)
     print(f"loaded on meta at pp=2 x tp=2: {mine} of {whole} parameter bytes", flush=True)
     _train(pipe, opt, range(4, 6), want, "tp1 -> meta pp=2 x tp=2")
+
+    # The elastic restart's load: Checkpointer.resume at another layout with tp (the
+    # pp=2 x tp=2 checkpoint at pp=1 x tp=2 x dp=2, each replica half the batch).
+    pipe = _pipe(_gpt2(seed=5), 1, 2, microbatches=2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    resumed = Checkpointer(pipe, tp2, opt).resume()
+    assert resumed is not None and resumed.step == 2, resumed
+    assert resumed.saved_layout == {"stages": 2, "data_parallel": 1}, resumed
+    assert resumed.layout == {"stages": 1, "data_parallel": 2}, resumed
+    _train(pipe, opt, range(resumed.step, 4), want, "tp2 resumed at pp=1 x tp=2 x dp=2")
     print("worker tpstate: checkpoints across tp", flush=True)
     return units
 
