@@ -46,14 +46,17 @@ STYLES = ("colwise", "rowwise", "replicate")
 aten = torch.ops.aten
 
 _MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
-_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default,
+               aten.mT.default, aten.adjoint.default}
 _SHAPE_OPS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
     aten.expand.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
     aten.detach.default, aten.slice.Tensor, aten.to.dtype, aten.to.dtype_layout,
     aten._to_copy.default, aten.dropout.default, aten.cat.default, aten.t.default,
-    aten.select.int, aten.flatten.using_ints, aten.unflatten.int,
+    aten.select.int, aten.flatten.using_ints, aten.unflatten.int, aten.stack.default,
+    aten.numpy_T.default, aten.mT.default,
+    aten._assert_tensor_metadata.default,  # export's dtype check: reads, returns nothing
 }
 _ATTENTION = {
     aten.scaled_dot_product_attention.default, aten._softmax.default, aten.softmax.int,
@@ -62,9 +65,18 @@ _ATTENTION = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
+    # Products of two activations (attention scores written out: q @ k^T, probs @ v).
+    aten.matmul.default, aten.baddbmm.default, aten.einsum.default,
 }
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
            aten.unbind.int}
+# Reductions over the last dim: within one head once the heads have their own dim (a norm of
+# each head's q / k), else over the split features (not transparent).
+_REDUCTIONS = {
+    aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.var_mean.correction,
+    aten.amax.default, aten.amin.default, aten.linalg_vector_norm.default,
+    aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default,
+}
 
 
 @dataclass(frozen=True)
@@ -237,6 +249,7 @@ class _Reach:
     output: bool = False  # reaches the graph's output
     chunks: int | None = None  # a split of the features into equal chunks (fused qkv)
     fused: str | None = None  # why a fused split cannot be split per head
+    rank: int = 0  # the projection output's dims (a heads view adds one)
 
 
 def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
@@ -245,6 +258,7 @@ def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
     reach = _Reach()
     features = _shape(start.node)
     width = features[-1] if features else None
+    reach.rank = len(features) if features else 0
     seen: set[fx.Node] = set()
     todo = [start.node]
     while todo and reach.stop is None:
@@ -265,10 +279,17 @@ def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
                 break
             target = user.target
             if target in _SPLITS:
-                _chunks(node, user, width, reach)
+                if not _per_head(node, user, width, reach):
+                    _chunks(node, user, width, reach)
             elif target is aten.view.default or target is aten.reshape.default or \
                     target is aten._unsafe_view.default:
                 _heads(node, user, width, reach)
+            elif target is aten.slice.Tensor or target is aten.narrow.default:
+                _sliced(node, user, width, reach)
+            elif target in _REDUCTIONS:
+                if not _per_head(node, user, width, reach):
+                    reach.stop = f"its features are reduced by {user.name}"
+                    break
             elif not (target in _SHAPE_OPS or target in _ATTENTION or target is operator.getitem
                       or torch.Tag.pointwise in getattr(target, "tags", ())):
                 reach.stop = f"its output meets {getattr(target, '__name__', target)}"
@@ -277,15 +298,63 @@ def _follow(start: Matmul, matmuls: Mapping[fx.Node, Matmul]) -> _Reach:
     return reach
 
 
+def _last_dim(op: fx.Node, rank: int) -> bool:
+    """Whether `op` (a split, chunk or reduction) works on the last of `rank` dims only."""
+    target = op.target
+    if target in (aten.layer_norm.default, aten.native_layer_norm.default,
+                  aten.rms_norm.default):
+        shape = op.args[1] if len(op.args) > 1 else None
+        return isinstance(shape, (list, tuple)) and len(shape) == 1
+    if target is aten.unbind.int:
+        dims: Any = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)
+    elif target in _SPLITS:
+        dims = op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", 0)
+    elif target is aten.linalg_vector_norm.default:
+        dims = op.args[2] if len(op.args) > 2 else op.kwargs.get("dim")
+    else:
+        dims = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims
+    return (isinstance(dims, (list, tuple)) and len(dims) == 1 and isinstance(dims[0], int)
+            and rank > 0 and dims[0] % rank == rank - 1)
+
+
+def _per_head(source: fx.Node, op: fx.Node, width: int | None, reach: _Reach) -> bool:
+    """Whether `op` splits or reduces within each head: the heads have a dim of their own
+    (a heads view was met) and `op` works on the last dim, each head's features (a norm of
+    each head's q or k, GPT-NeoX's per-head q/k/v split)."""
+    shape = _shape(source)
+    if not reach.heads or not shape or width is None or len(shape) <= reach.rank:
+        return False
+    per_head = {width // h for h in reach.heads if h > 0}
+    if reach.chunks:
+        per_head |= {width // reach.chunks // h for h in reach.heads if h > 0}
+    return shape[-1] in per_head and _last_dim(op, len(shape))
+
+
+def _sliced(source: fx.Node, op: fx.Node, width: int | None, reach: _Reach) -> None:
+    """A slice of the projection's features (q, k and v cut out of a fused projection by
+    position, uneven when the kv heads are fewer): the fused group cannot be split per head.
+    A slice inside each head once the heads have a dim of their own (rotary halves) is not."""
+    shape = _shape(source)
+    dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)
+    if shape and width and isinstance(dim, int) and len(shape) <= reach.rank \
+            and dim % len(shape) == len(shape) - 1 \
+            and shape[-1] in (width, width // (reach.chunks or 1)):
+        reach.fused = f"its features are sliced by {op.name}"
+
+
 def _chunks(source: fx.Node, split: fx.Node, width: int | None, reach: _Reach) -> None:
     """A split of the projection's features into equal chunks (a fused q/k/v): note how
     many, or why it cannot be split per head (uneven chunks, another dim)."""
     shape = _shape(source)
     size = split.args[1] if len(split.args) > 1 else None
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if (split.target is aten.split.Tensor and shape and width and isinstance(size, int)
-            and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
-            and shape[-1] == width and width % size == 0):
+    if split.target is aten.chunk.default and isinstance(size, int) and size > 0 and width \
+            and width % size == 0:
+        size = width // size  # chunk(n): n chunks of width / n
+    if (split.target in (aten.split.Tensor, aten.chunk.default) and shape and width
+            and isinstance(size, int) and isinstance(dim, int)
+            and dim % len(shape) == len(shape) - 1 and shape[-1] == width and width % size == 0):
         reach.chunks = width // size
     else:
         reach.fused = f"its features are split by {split.name} other than into equal chunks"

@@ -198,21 +198,37 @@ def float_inputs(module: fx.GraphModule) -> list[bool]:
     ]
 
 
-def chunked_split(t: Any, size: int, dim: int = 0) -> Any:
-    """``aten.split`` of a fused projection's output: held strided (each rank its part of
-    every chunk, ``_StridedShard``), each rank splits its own part, so every chunk comes out
-    split over the ranks (by heads) with no communication; else as aten's."""
+def _strided_parts(t: Any, chunks: int, dim: int) -> tuple[DTensor, ...] | None:
+    """`t`'s `chunks` equal chunks along `dim` when it is held strided that way (each rank its
+    part of every chunk, ``_StridedShard``): each rank cuts its own part, so every chunk comes
+    out split over the ranks (by heads) with no communication; None otherwise."""
     placement = t.placements[0] if isinstance(t, DTensor) and t.device_mesh.ndim == 1 \
         else None
-    if isinstance(placement, _StridedShard):
-        d = dim % t.dim()
-        chunks = placement.split_factor
-        if placement.dim == d and isinstance(chunks, int) and t.shape[d] == size * chunks:
-            mesh = t.device_mesh
-            parts = t.to_local().split(t.to_local().shape[d] // chunks, dim=d)
-            return tuple(DTensor.from_local(part, mesh, [Shard(d)], run_check=False)
-                         for part in parts)
+    if not isinstance(placement, _StridedShard):
+        return None
+    d = dim % t.dim()
+    if placement.dim != d or placement.split_factor != chunks:
+        return None
+    mesh, local = t.device_mesh, t.to_local()
+    return tuple(DTensor.from_local(part, mesh, [Shard(d)], run_check=False)
+                 for part in local.split(local.shape[d] // chunks, dim=d))
+
+
+def chunked_split(t: Any, size: int, dim: int = 0) -> Any:
+    """``aten.split`` of a fused projection's output, by `_strided_parts` where it is held
+    strided into chunks of `size`; else as aten's."""
+    if isinstance(t, DTensor) and size > 0 and t.shape[dim % t.dim()] % size == 0:
+        parts = _strided_parts(t, t.shape[dim % t.dim()] // size, dim)
+        if parts is not None:
+            return parts
     return aten.split.Tensor(t, size, dim)
+
+
+def chunked_chunk(t: Any, chunks: int, dim: int = 0) -> Any:
+    """``aten.chunk`` of a fused projection's output (gate and up in one matmul), by
+    `_strided_parts` where it is held strided into `chunks`; else as aten's."""
+    parts = _strided_parts(t, chunks, dim) if isinstance(t, DTensor) else None
+    return parts if parts is not None else aten.chunk.default(t, chunks, dim)
 
 
 def _holds_tensor(node: fx.Node) -> bool:
@@ -305,6 +321,8 @@ def _edit_graph(module: fx.GraphModule, plan: TPPlan, sequence_parallel: bool) -
             node.target = whole_embedding
         elif node.target is aten.split.Tensor:
             node.target = chunked_split
+        elif node.target is aten.chunk.default:
+            node.target = chunked_chunk
     _replicate_plain_operands(module)
     graph.lint()
     module.recompile()
