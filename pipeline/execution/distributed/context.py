@@ -98,8 +98,19 @@ class DistContext(Processes):
         layout = self.layout
         return init_device_mesh(
             self.device.type, (layout.data_parallel, layout.stages, layout.tensor_parallel),
-            mesh_dim_names=DIMS,
+            mesh_dim_names=DIMS, backend_override=self._tp_backend(),
         )
+
+    def _tp_backend(self) -> dict[int | str, Any] | None:
+        """The tp groups' backend with the job's timeout: their collectives run inside the
+        stages' ops (no Work to wait on), so the group's own timeout is what bounds them."""
+        if self.layout.tensor_parallel == 1:
+            return None
+        backend = dist.get_backend()
+        options: Any = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+                        else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
+        options._timeout = timedelta(seconds=self.timeout)
+        return {"tp": (backend, options)}
 
     @cached_property
     def tp_mesh(self) -> DeviceMesh:

@@ -7,6 +7,8 @@ before any tensor moved, the same reports travel through the store's sync points
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -122,14 +124,15 @@ class Failures:
             raise  # already explained by an inner guard
         except BaseException as err:
             cause = self.cause()
-            if cause is None and isinstance(err, CommError):
-                if err.peer is None:
+            comm = err if isinstance(err, CommError) else self.tp_collective_error(err)
+            if cause is None and comm is not None:
+                if comm.peer is None:
                     # A collective does not say which member is gone; a point-to-point peer
                     # of the failed rank usually does, moments later.
                     cause = self._await_cause(min(self.timeout, 3.0))
                 if cause is None:
-                    peer = "a peer" if err.peer is None else self.layout.describe(err.peer)
-                    cause = f"{peer} stopped responding (killed, crashed or hung): {err}"
+                    peer = "a peer" if comm.peer is None else self.layout.describe(comm.peer)
+                    cause = f"{peer} stopped responding (killed, crashed or hung): {comm}"
                     self.report(cause)
             if cause is not None:  # another rank failed first; this error follows from it
                 self.broken = cause
@@ -141,6 +144,25 @@ class Failures:
             self.tear_down()
             err.add_note(f"hybridpipe: {text}; the other ranks are told and stop")
             raise
+
+    def tp_collective_error(self, err: BaseException) -> CommError | None:
+        """`err` as a CommError when it is a tensor-parallel collective's failure: a
+        RuntimeError raised inside torch.distributed while a stage ran on its tp group (the
+        other waits of a step go through `wait_work`). Its peer is the other member of a tp
+        group of 2; None (any member) in a larger one."""
+        tp = self.layout.tp_ranks()
+        if len(tp) < 2 or not isinstance(err, RuntimeError) or isinstance(err, RankFailure):
+            return None
+        frames = traceback.extract_tb(err.__traceback__)
+        if not any(f"torch{os.sep}distributed{os.sep}" in f.filename for f in frames):
+            return None
+        others = [r for r in tp if r != self.layout.rank]
+        source = self.layout.describe(others[0]) if len(others) == 1 else f"tp group {tp}"
+        return CommError(
+            f"{self.layout.describe()} waiting for a tensor-parallel collective with {source} "
+            f"failed (timeout {self.timeout:g} s{self.setting}): {str(err).splitlines()[0]}",
+            others[0] if len(others) == 1 else None,
+        )
 
     def wait_work(self, work: Any, peer: int | None, what: object) -> None:
         """Wait for a torch.distributed Work under the timeout, as a CommError on failure."""
