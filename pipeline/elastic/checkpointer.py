@@ -10,8 +10,8 @@ versions, and asynchronously if asked (the step stalls only while the tensors ar
 What a save holds besides model and optimizer (its ``extra``): the steps done, the caller's
 data position (plain data, e.g. a sampler's state) and the RNG states of every process (torch's
 CPU generator, the CUDA one where present, Python's `random`, NumPy's global generator, which
-data pipelines often use for augmentation), keyed by (replica, pipeline rank). On resume a
-process takes the states saved at its own (replica, pipeline rank), else those of global rank 0
+data pipelines often use for augmentation), keyed by (replica, pipeline rank, tp rank). On resume a
+process takes the states saved at its own coordinate, else those of global rank 0
 (a layout that did not exist before)."""
 
 from __future__ import annotations
@@ -103,9 +103,20 @@ class Resumed:
             f"{replanned.after}, " + ("applied" if replanned.applied else "plan kept")))
 
 
-def _coordinate(pipe: Pipeline) -> tuple[int, int]:
+def _coordinate(pipe: Pipeline) -> tuple[int, int, int]:
     processes = pipe.processes
-    return processes.dp_rank, processes.pp_rank
+    return processes.dp_rank, processes.pp_rank, processes.tp_rank
+
+
+def _saved_rng(states: dict[tuple[int, ...], dict[str, Any]], at: tuple[int, int, int]
+               ) -> dict[str, Any]:
+    """The RNG states saved at coordinate `at` (replica, pipeline rank, tp rank), else at its
+    (replica, pipeline rank) (a checkpoint written before tp ranks were keyed), else global
+    rank 0's."""
+    for key in (at, at[:2], (0, 0, 0), (0, 0)):
+        if key in states:
+            return states[key]
+    raise ValueError(f"the checkpoint's RNG states have no entry for {at} nor for rank 0")
 
 
 def _layout(pipe: Pipeline) -> dict[str, int]:
@@ -209,8 +220,8 @@ class Checkpointer:
                 "has no step and RNG states); load it with pipe.load_checkpoint"
             )
         saved = extra[_TAG]
-        states: dict[tuple[int, int], dict[str, Any]] = dict(saved["rng"])
-        set_rng_state(states.get(_coordinate(self.pipe), states[(0, 0)]))
+        states: dict[tuple[int, ...], dict[str, Any]] = dict(saved["rng"])
+        set_rng_state(_saved_rng(states, _coordinate(self.pipe)))
         resumed = Resumed(
             version=version, step=saved["step"], data=saved["data"],
             saved_layout=meta["layout"], layout=_layout(self.pipe),

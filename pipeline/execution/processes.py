@@ -22,8 +22,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 class Processes:
     """This process among the job's: `stages` pipeline ranks per replica, `data_parallel`
-    replicas, this process's replica (`dp_rank`) and pipeline rank (`pp_rank`, the lowest it
-    runs), its global `rank` of `world_size` processes, its `device`. Here: one process."""
+    replicas, this process's replica (`dp_rank`), pipeline rank (`pp_rank`, the lowest it
+    runs) and tensor-parallel rank (`tp_rank`), its global `rank` of `world_size` processes,
+    its `device`. Here: one process."""
 
     def __init__(self, stages: int, device: torch.device) -> None:
         self._stages = stages
@@ -43,6 +44,10 @@ class Processes:
 
     @property
     def pp_rank(self) -> int:
+        return 0
+
+    @property
+    def tp_rank(self) -> int:
         return 0
 
     @property

@@ -158,6 +158,10 @@ class DistContext(Processes):
         return self.layout.pp_rank
 
     @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank
+
+    @property
     def rank(self) -> int:
         return self.layout.rank
 

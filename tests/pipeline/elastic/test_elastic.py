@@ -373,3 +373,21 @@ def test_resume_restores_numpys_generator_for_augmentation(tmp_path: Path) -> No
     assert Checkpointer(again, tmp_path / "ckpt", again_opt).resume() is not None
     for step in (2, 3):
         torch.testing.assert_close(run(again, again_opt, step), losses[step], atol=1e-9, rtol=0)
+
+
+def test_rng_states_are_keyed_by_replica_pipeline_and_tp_rank() -> None:
+    """Each tp rank resumes its own RNG states (they were keyed by (replica, pipeline rank),
+    so the tp ranks of one stage overwrote each other's); a checkpoint written with the old
+    two-part keys still resumes, and a coordinate the save did not have takes rank 0's."""
+    from pipeline.elastic.checkpointer import _saved_rng
+
+    states: dict[tuple[int, ...], dict[str, Any]] = {
+        (0, 0, 0): {"at": "rank 0"}, (0, 1, 1): {"at": "pp 1 tp 1"}, (0, 1, 0): {"at": "pp 1"}}
+    assert _saved_rng(states, (0, 1, 1)) == {"at": "pp 1 tp 1"}
+    assert _saved_rng(states, (0, 1, 0)) == {"at": "pp 1"}
+    assert _saved_rng(states, (1, 3, 0)) == {"at": "rank 0"}
+    old: dict[tuple[int, ...], dict[str, Any]] = {(0, 0): {"at": "old 0"}, (0, 1): {"at": "old 1"}}
+    assert _saved_rng(old, (0, 1, 1)) == {"at": "old 1"}
+    assert _saved_rng(old, (2, 2, 0)) == {"at": "old 0"}
+    with pytest.raises(ValueError, match="no entry"):
+        _saved_rng({(1, 1, 1): {}}, (0, 0, 0))
