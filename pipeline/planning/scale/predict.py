@@ -5,10 +5,11 @@ costs, each cross-rank input arriving after its p2p transfer on the link the pla
 (ranks are laid out tp innermost, then pp, then dp: neighbours tp GPUs apart share a node
 when they fall in the same block of gpus_per_node); then, per pipeline rank, each stage's
 gradient sync on the dp group starts when that stage's last backward ends (the executor's
-overlap with the drain), one after another on the network: an all-reduce, or a
-reduce-scatter under ZeRO-1 / FSDP; then Adam over the rank's (shard of the) parameters,
-memory-bound; then ZeRO-1's parameter all-gather (FSDP's happens before the first forward,
-the same cost, exposed as well). The step is the slowest rank's.
+overlap with the drain), one after another on the network, in 25 MiB buckets (one call and
+its latency each): an all-reduce, or a reduce-scatter under ZeRO-1 / FSDP; then Adam over
+the rank's (shard of the) parameters, memory-bound; then ZeRO-1's parameter all-gather
+(FSDP's happens before the first forward, the same cost, exposed as well).
+The step is the slowest rank's.
 
 Memory per GPU (`pipeline.planning.scale.memory`) and FLOP rates are in the `Prediction`.
 """
@@ -19,18 +20,30 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.planning.hardware.collectives import Placement, collective_seconds, p2p_seconds
+from pipeline.planning.hardware.targets import Network
 from pipeline.planning.scale.layout import SYNTH, Job, Layout, fit
-from pipeline.planning.scale.memory import Memory, memory_per_rank, param_bytes, zero3
+from pipeline.planning.scale.memory import (
+    BUCKET,
+    Memory,
+    memory_per_rank,
+    param_bytes,
+    zero3,
+)
 from pipeline.planning.scale.stages import StageCosts, stage_costs
 from pipeline.planning.scale.units import Units, priced_units
 from scheduler import Schedule, build_schedule, synthesize
 from scheduler.ir import Op
 from scheduler.validate import execute
 
-ADAM_BYTES = 24
-"""Bytes Adam reads and writes per parameter beside the gradient and the weight: the fp32
-master weight, momentum and variance, each read and written (the gradient is read and the
-16-bit weight written on top: 2 x its size)."""
+ADAM_BYTES = 80
+"""Bytes torch's Adam/AdamW (its default multi-tensor "foreach" path on CUDA, not fused)
+reads and writes per parameter of fp32 state beside the gradient and the weight, pass by
+pass (torch/optim/adamw.py, _multi_tensor_adamw): decoupled weight decay on the master
+weight (read, write: 8), lerp of the momentum toward the gradient (12), variance scaled (8)
+and addcmul'd with the gradient (12), its square root into a new tensor (8), divided by the
+bias correction (8), plus eps (8), and addcdiv into the master weight (weight, momentum,
+root read, weight written: 16). A fused Adam does it in one pass (24); the gradient is read
+and the 16-bit weight written on top (2 x its size)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,14 @@ def _last_backwards(schedule: Schedule, times: list[list[tuple[float, float]]]
     return out
 
 
+def bucketed_seconds(net: Network, kind: str, nbytes: float, group: Placement) -> float:
+    """A stage's gradient sync as the executor runs it: one collective per BUCKET bytes
+    (pipeline.execution.distributed.gradsync's 25 MiB buckets), each paying its latency."""
+    full, rest = divmod(nbytes, BUCKET)
+    return full * collective_seconds(net, kind, BUCKET, group) + (
+        collective_seconds(net, kind, rest, group) if rest else 0.0)
+
+
 def _sync(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
           sim: Simulated) -> tuple[list[float], list[float]]:
     """Per rank: when its last gradient sync ends, and its optimizer (+ gather) seconds."""
@@ -124,7 +145,7 @@ def _sync(job: Job, layout: Layout, costs: StageCosts, schedule: Schedule,
     for rank, finishes in enumerate(sim.last_backwards):
         t = 0.0
         for finish, stage in ([] if zero3(layout) else finishes):
-            t = max(t, finish) + collective_seconds(
+            t = max(t, finish) + bucketed_seconds(
                 net, kind, costs.parameters[stage] * pbytes, group)
         ends.append(max(t, sim.times[rank][-1][1] if sim.times[rank] else 0.0))
         params = sum(costs.parameters[s] for s in schedule.stages_of(rank))

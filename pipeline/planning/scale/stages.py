@@ -8,11 +8,15 @@ attention core redone in B, its seq x seq tensors not held; "full": the block's 
 redone in B, only its input held), cut into pp x v stages by a min-max partition of
 F + B + W (binary search on the bottleneck with a greedy feasibility probe: exact up to
 the search's tolerance and linear in the chain, where partitioner.solver's dynamic
-programme is quadratic: a search prices thousands of cuts of 100+ units)."""
+programme is quadratic: a search prices thousands of cuts of 100+ units).
+
+Each unit's W also pays the gradient accumulation the executor does between microbatches
+(`p.grad += g`, one multi-tensor add per microbatch after the first: the accumulated
+gradient and the new one read, the sum written), memory-bound."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.planning.hardware.collectives import Placement, collective_seconds
 from pipeline.planning.scale.layout import Job, Layout
@@ -93,6 +97,19 @@ def working_sets(unit: UnitPrice, held: float, redo: float = 0.0, shard: float =
                    unit.weight_extra / shard, unit.parameters)
 
 
+def accumulate_seconds(job: Job, layout: Layout, parameters: int) -> float:
+    """Seconds per microbatch (averaged over the step's microbatches) of accumulating the
+    gradients of `parameters` weights: (m - 1) of m microbatches add their gradient into
+    `.grad` (3 gradient-sized transfers), memory-bound. 0 under FSDP without a pipeline
+    (each microbatch's gradient is reduce-scattered; only a 1/dp shard accumulates)."""
+    m = layout.microbatches
+    if m <= 1 or (layout.zero == "fsdp" and layout.pp == 1):
+        return 0.0
+    target = job.target
+    nbytes = 3 * parameters * (4 if job.precision == "fp32" else 2)
+    return nbytes / (target.memory_bandwidth * target.memory_efficiency) * (m - 1) / m
+
+
 def _block(units: Units, layout: Layout, comm: float) -> UnitCost:
     blk, full, t = units.block, units.block_unsharded, layout.tp
     sp = layout.sequence_parallel and t > 1
@@ -120,15 +137,19 @@ def unit_chain(job: Job, layout: Layout, units: Units) -> list[UnitCost]:
     """The chain's units in order, costed for `layout`."""
     spec = job.spec
     if not isinstance(spec, TransformerSpec):
-        return [UnitCost(u.forward, u.input_grad, u.weight_grad, u.saved, 0.0, u.parameters,
-                         u.output_bytes, working_sets(u, u.saved)) for u in units.chain]
+        return [UnitCost(u.forward, u.input_grad,
+                         u.weight_grad + accumulate_seconds(job, layout, u.parameters),
+                         u.saved, 0.0, u.parameters, u.output_bytes, working_sets(u, u.saved))
+                for u in units.chain]
     act = units.microbatch_size * spec.seq * spec.hidden * (
         DTYPES[job.precision].itemsize)
     comm = tp_collective(job, layout, act)
     blk = _block(units, layout, comm)
     embed = _edge(units.embed, comm, 0.0, blk.output)
     head = _edge(units.head, 0.0, comm, 0.0)
-    return [embed, *([blk] * spec.layers), head]
+    chain = [replace(u, weight_grad=u.weight_grad + accumulate_seconds(job, layout, u.parameters))
+             for u in (embed, blk, head)]
+    return [chain[0], *([chain[1]] * spec.layers), chain[2]]
 
 
 def _packed(costs: list[float], cap: float) -> list[int]:
