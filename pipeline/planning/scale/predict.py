@@ -29,7 +29,7 @@ from pipeline.planning.scale.memory import (
     param_bytes,
     zero3,
 )
-from pipeline.planning.scale.stages import StageCosts, stage_costs
+from pipeline.planning.scale.stages import StageCosts, accumulate_seconds, stage_costs
 from pipeline.planning.scale.units import Units, priced_units
 from scheduler import Schedule, build_schedule, synthesize
 from scheduler.ir import Op
@@ -237,10 +237,14 @@ def finish(job: Job, sim: Simulated, zero: str | None = None) -> Prediction:
     ends, after = _sync(job, layout, sim.costs, sim.schedule, sim)
     step = max(e + a for e, a in zip(ends, after, strict=True)) - start + (
         job.target.step_overhead)
-    if zero3(layout):
-        exposed = _zero3_exposed(job, layout, sim)
-        step, ends = step + exposed, [e + exposed for e in ends]
     busy = sum(e - s for rank in times for s, e in rank)
+    if zero3(layout):
+        # Reduce-scattered per microbatch: no whole gradient accumulates (one rank, its
+        # actions back to back, so the step sheds each microbatch's accumulation).
+        shed = layout.microbatches * accumulate_seconds(job, layout, sum(sim.costs.parameters))
+        exposed = _zero3_exposed(job, layout, sim) - shed
+        makespan, busy = makespan - shed, busy - shed
+        step, ends = step + exposed, [e + exposed for e in ends]
     memory = memory_per_rank(job, layout, sim.costs, sim.schedule, dp)
     model, executed = _flops(job, sim.units, layout)
     total = dp * layout.microbatches

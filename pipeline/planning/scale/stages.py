@@ -100,10 +100,11 @@ def working_sets(unit: UnitPrice, held: float, redo: float = 0.0, shard: float =
 def accumulate_seconds(job: Job, layout: Layout, parameters: int) -> float:
     """Seconds per microbatch (averaged over the step's microbatches) of accumulating the
     gradients of `parameters` weights: (m - 1) of m microbatches add their gradient into
-    `.grad` (3 gradient-sized transfers), memory-bound. 0 under FSDP without a pipeline
-    (each microbatch's gradient is reduce-scattered; only a 1/dp shard accumulates)."""
+    `.grad` (3 gradient-sized transfers), memory-bound. The same for every ZeRO choice (a
+    simulation is shared by them): `predict.finish` takes it off FSDP without a pipeline,
+    whose gradients are reduce-scattered per microbatch."""
     m = layout.microbatches
-    if m <= 1 or (layout.zero == "fsdp" and layout.pp == 1):
+    if m <= 1:
         return 0.0
     target = job.target
     nbytes = 3 * parameters * (4 if job.precision == "fp32" else 2)

@@ -10,7 +10,13 @@ from pipeline.planning.hardware import TARGETS
 from pipeline.planning.hardware.collectives import Placement, collective_seconds
 from pipeline.planning.scale.layout import Job, parse_layout
 from pipeline.planning.scale.memory import BUCKET
-from pipeline.planning.scale.predict import ADAM_BYTES, bucketed_seconds, predict
+from pipeline.planning.scale.predict import (
+    ADAM_BYTES,
+    bucketed_seconds,
+    finish,
+    predict,
+    simulate_layout,
+)
 from pipeline.planning.scale.stages import accumulate_seconds, stage_costs
 from pipeline.planning.scale.transformer import parse_spec
 from pipeline.planning.scale.units import priced_units
@@ -30,8 +36,16 @@ def test_gradient_accumulation_is_paid_by_every_microbatch_after_the_first() -> 
         # 3 bf16 gradient transfers per parameter, on 7 of 8 microbatches (per microbatch)
         assert extra == pytest.approx(3 * 2 * many.parameters[s] / bw * 7 / 8)
         assert many.forward[s] == one.forward[s]
-    fsdp = parse_layout("pp=1,microbatches=8,zero=fsdp")
-    assert accumulate_seconds(job, fsdp, 10**9) == 0.0  # reduce-scattered per microbatch
+    # FSDP without a pipeline reduce-scatters each microbatch: nothing accumulates, whether
+    # the layout is simulated as FSDP or finished as FSDP from another ZeRO choice's run.
+    job = Job(SPEC, H100, 2, 16)
+    fsdp, none = (parse_layout(f"pp=1,microbatches=8,zero={z}") for z in ("fsdp", "none"))
+    direct = predict(job, fsdp)
+    shared = finish(job, simulate_layout(job, none), "fsdp")
+    assert direct.step_time == pytest.approx(shared.step_time)
+    shed = 8 * accumulate_seconds(job, fsdp, SPEC.parameters())
+    assert predict(job, none).pipeline_time - direct.pipeline_time == pytest.approx(
+        shed, rel=0.05)  # the tied head's weight counted twice in the units
 
 
 def test_the_gradient_sync_pays_one_latency_per_bucket() -> None:
