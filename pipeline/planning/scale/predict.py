@@ -128,7 +128,7 @@ def _last_backwards(schedule: Schedule, times: list[list[tuple[float, float]]]
 
 def bucketed_seconds(net: Network, kind: str, nbytes: float, group: Placement) -> float:
     """A stage's gradient sync as the executor runs it: one collective per BUCKET bytes
-    (pipeline.execution.distributed.gradsync's 25 MiB buckets), each paying its latency."""
+    (the executor's 25 MiB gradient buckets), each paying its latency."""
     full, rest = divmod(nbytes, BUCKET)
     return full * collective_seconds(net, kind, BUCKET, group) + (
         collective_seconds(net, kind, rest, group) if rest else 0.0)
