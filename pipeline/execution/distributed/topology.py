@@ -8,6 +8,8 @@ ranks by hand: every answer is read off the mesh."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -145,8 +147,25 @@ def make_layout(
     """The Layout of `rank` in the mesh `init_device_mesh` would build for this world, without
     creating process groups (for planning and tests)."""
     dp = check_world(stages, data_parallel, world_size, tensor_parallel)
+    warn_if_tp_spans_nodes(tensor_parallel, os.environ.get("LOCAL_WORLD_SIZE"))
     mesh = DeviceMesh(
         "cpu", torch.arange(world_size).reshape(dp, stages, tensor_parallel),
         mesh_dim_names=DIMS, _init_backend=False, _rank=rank,
     )
     return Layout.of(mesh)
+
+
+def warn_if_tp_spans_nodes(tensor_parallel: int, local_world_size: str | None) -> None:
+    """A UserWarning when a tp group of `tensor_parallel` consecutive ranks crosses a node
+    boundary (torchrun's `LOCAL_WORLD_SIZE` processes per node, not a multiple of tp): it is
+    correct, but every collective inside each stage's ops then crosses the network."""
+    if tensor_parallel == 1 or not local_world_size:
+        return
+    node = int(local_world_size)
+    if node % tensor_parallel:
+        fits = [t for t in range(1, node + 1) if node % t == 0]
+        warnings.warn(
+            f"tensor_parallel={tensor_parallel} does not divide the {node} processes per node "
+            f"(LOCAL_WORLD_SIZE={node}): some tp groups span two nodes and run each stage's "
+            f"collectives over the network; use tensor_parallel in {fits} or launch a "
+            "multiple of it per node (torchrun --nproc-per-node)", stacklevel=3)

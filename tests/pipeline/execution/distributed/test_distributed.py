@@ -394,6 +394,22 @@ def test_layout_with_tensor_parallel() -> None:
         make_layout(2, world_size=4, rank=0, tensor_parallel=0)
 
 
+def test_a_tp_group_spanning_nodes_is_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tp=4 on nodes of 6 processes puts ranks 4-7 on two nodes: correct, but every tp
+    collective crosses the network, so it is a warning naming the fix; tp=2 fits."""
+    import warnings
+
+    from pipeline.execution.distributed import make_layout
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    with pytest.warns(UserWarning, match=r"tensor_parallel=4 does not divide the 6 processes "
+                      r"per node.*tensor_parallel in \[1, 2, 3, 6\]"):
+        make_layout(3, world_size=12, rank=0, tensor_parallel=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_layout(2, world_size=12, rank=0, tensor_parallel=2)
+
+
 def test_tensor_parallel_needs_torchrun() -> None:
     from pipeline import Pipeline
 
