@@ -396,8 +396,10 @@ def test_documented_plan_example_shows_a_trade_off(
     [line] = [x for x in docs.splitlines() if x.startswith("hybridpipe plan gpt")]
     monkeypatch.chdir(tmp_path)
     out = run(capsys, *line.split()[1:])
+    [header] = [r.split() for r in out.splitlines() if r.split()[:1] == ["#"]]
+    pp, step, bubble = header.index("pp"), header.index("step"), header.index("bubble") - 1
     rows = [r.split() for r in out.splitlines() if r[:3].strip().isdigit()]
-    assert len({r[1] for r in rows}) >= 2, out  # pipeline depths
-    assert len({r[6] for r in rows}) >= 3 and len({r[7] for r in rows}) >= 3, out
-    assert "pp=1" not in out and all(r[1] != "1" for r in rows), out
+    assert len({r[pp] for r in rows}) >= 2, out  # pipeline depths
+    assert len({r[step] for r in rows}) >= 3 and len({r[bubble] for r in rows}) >= 3, out
+    assert "pp=1" not in out and all(r[pp] != "1" for r in rows), out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
