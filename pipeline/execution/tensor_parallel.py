@@ -11,8 +11,9 @@ A stage takes plain tensors and returns plain tensors: its floating-point inputs
 Replicate DTensors (their gradient is all-reduced back to a whole one), integer inputs stay
 plain (token ids, masks: DTensor replicates them where they meet a sharded tensor), and its
 outputs are made whole (Replicate) before they leave, so the pipeline's transport and loss see
-what the unsplit model computes. Every tp rank of a stage sends its copy to the same tp rank of
-the next stage."""
+what the unsplit model computes. Every tp rank of a stage sends its 1/tp slice of each
+boundary tensor to the same tp rank of the next stage, whose tp ranks all-gather the slices
+(pipeline.execution.distributed.p2p)."""
 
 from __future__ import annotations
 

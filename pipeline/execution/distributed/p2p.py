@@ -7,7 +7,14 @@ Messages travel in the pipeline's own process group (the mesh's "pp" group, whos
 ranks are the pipeline ranks), through `ProcessGroup.send`/`recv` directly: `dist.isend`'s
 argument checks and rank translation cost ~10 us a call and are already settled here. Tags:
 every (kind, stage, microbatch, tensor index) has its own int32 tag (`tag`), so gloo matches
-messages by tag; NCCL matches in posting order, which the sender-ordered posting keeps."""
+messages by tag; NCCL matches in posting order, which the sender-ordered posting keeps.
+
+Under tensor parallelism (tp > 1) a boundary tensor is whole and the same on every tp rank of
+a stage (a tensor-parallel stage makes its outputs and its input gradients whole), and tp rank
+t of a stage sends to tp rank t of the next: each sends only its 1/tp part of each flat buffer
+(`TPSlices`), and the receiving tp ranks all-gather the parts within their tp group (inside a
+node) to rebuild it, as Megatron-LM's scatter/gather at a pipeline boundary. A buffer whose
+element count tp does not divide travels whole from every tp rank, as with tp = 1."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,6 +119,55 @@ def unpack(flats: Mapping[torch.dtype, Tensor], layout: TensorLayout) -> list[Te
     return out
 
 
+@dataclass
+class BoundaryBytes:
+    """Bytes of the activations and input gradients this rank sent to other stages since the
+    transport was made: `whole`, those of the tensors the messages carry; `sent`, those it put
+    on the wire (`whole` / tp where tp divides every buffer; metadata not counted)."""
+
+    whole: int = 0
+    sent: int = 0
+
+
+class TPSlices:
+    """The part of a flat buffer that one tp rank sends (`part`) and the receiving side's
+    gather of the parts (`gather`), over the tp group of `ctx` (tp ranks t of stages s and
+    s+1 are pipeline peers). A buffer of n elements is split when tp divides n, else it
+    travels whole."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.degree = ctx.layout.tensor_parallel
+        self.rank = ctx.layout.tp_rank
+        self._group: dist.ProcessGroup | None = None
+
+    def splits(self, n: int) -> bool:
+        return self.degree > 1 and n % self.degree == 0
+
+    def part(self, flat: Tensor) -> Tensor:
+        """This tp rank's slice of `flat` (1-d), or `flat` where it travels whole."""
+        n = flat.numel()
+        if not self.splits(n):
+            return flat
+        size = n // self.degree
+        return flat[self.rank * size : (self.rank + 1) * size]
+
+    def receiving(self, flat: Tensor) -> Tensor:
+        """The buffer a receive of `flat` (1-d) lands in: a new one of its part's size, or
+        `flat` itself where it travels whole."""
+        if not self.splits(flat.numel()):
+            return flat
+        return flat.new_empty(flat.numel() // self.degree)
+
+    def gather(self, whole: Tensor, part: Tensor, msg: MessageKey) -> None:
+        """Fill `whole` with every tp rank's `part` (this rank's among them), under the
+        timeout."""
+        if self._group is None:  # DeviceMesh.get_group costs ~0.1 ms a call
+            self._group = self.ctx.tp_mesh.get_group()
+        work = dist.all_gather_into_tensor(whole, part, group=self._group, async_op=True)
+        self.ctx.wait_work(work, None, _About(msg, "the tp all-gather of "))
+
+
 class _About:
     """A lazily formatted description of a message for error messages: formatting it on every
     send and receive would cost more than the bookkeeping it describes."""
@@ -129,6 +186,7 @@ AHEAD_BYTES = 64 * 2**20
 # Longest `_Sender.post` waits for its thread to take a message (seconds).
 HANDOFF_WAIT = 0.002
 _Pending = tuple[Any, int, object, Tensor]  # (Work, pipeline rank, what it carries, buffer)
+_Posted = tuple[int, list[Any], list[Tensor], list[tuple[Tensor, Tensor]]]
 
 
 class _Sender:
@@ -226,7 +284,10 @@ class P2PTransport:
         self._key = 0
         self._new = False
         self._queue: dict[int, deque[MessageKey]] = {}
-        self._posted: dict[MessageKey, tuple[int, list[Any], list[Tensor]]] = {}
+        # msg -> (peer, its receives, the message's tensors, (whole, part) to gather)
+        self._posted: dict[MessageKey, _Posted] = {}
+        self.slices = TPSlices(ctx)
+        self.bytes = BoundaryBytes()
         self._sends: list[_Pending] = []
         self._sender: _Sender | None = None
 
@@ -283,14 +344,17 @@ class P2PTransport:
             plan = plans[msg] = list(packed_sizes(layout).items())
         device = self.ctx.device
         flats = [torch.empty(n, dtype=dtype, device=device) for dtype, n in plan]
+        wires = [self.slices.receiving(flat) for flat in flats]
+        gathers = [(flat, wire) for flat, wire in zip(flats, wires, strict=True)
+                   if wire is not flat]
         recv = self.group.recv
-        works = [recv([flat], peer, _message_tag(msg, i)) for i, flat in enumerate(flats)]
+        works = [recv([wire], peer, _message_tag(msg, i)) for i, wire in enumerate(wires)]
         layout = self._metas[self._key][msg]
         if len(layout) == 1:  # one tensor: its buffer is the tensor
             tensors = [flats[0].view(layout[0][1])]
         else:
             tensors = unpack(dict(zip((d for d, _ in plan), flats, strict=True)), layout)
-        self._posted[msg] = (peer, works, tensors)
+        self._posted[msg] = (peer, works, tensors, gathers)
         count, size = self._ahead[peer]
         self._ahead[peer] = (count + 1, size + sum(n * dtype.itemsize for dtype, n in plan))
         return msg
@@ -306,7 +370,7 @@ class P2PTransport:
                     f"pipeline rank {self.me} expects no {describe_message(msg)} from "
                     f"pipeline rank {recv.peer} in this step"
                 )
-        peer, works, buffers = self._posted.pop(msg)
+        peer, works, buffers, gathers = self._posted.pop(msg)
         count, size = self._ahead[peer]
         taken = sum(n * dtype.itemsize for dtype, n in self._plans[self._key][msg])
         self._ahead[peer] = (count - 1, size - taken)
@@ -315,6 +379,8 @@ class P2PTransport:
         about = _About(msg)
         for work in works:
             self._wait(work, peer, about)
+        for whole, part in gathers:  # the same messages in the same order on every tp rank
+            self.slices.gather(whole, part, msg)
         return tuple(buffers)
 
     def send(self, send: Send, tensors: tuple[Tensor, ...]) -> None:
@@ -336,11 +402,13 @@ class P2PTransport:
                 "(cut the model before data-dependent shapes, or pad them)"
             )
         about = _About(msg)
-        if len(tensors) == 1:
-            self._isend(tensors[0].detach().contiguous(), dst, _message_tag(msg, 0), about)
-        else:
-            for i, flat in enumerate(pack(tensors).values()):
-                self._isend(flat, dst, _message_tag(msg, i), about)
+        flats = ([tensors[0].detach().reshape(-1)] if len(tensors) == 1
+                 else list(pack(tensors).values()))
+        for i, flat in enumerate(flats):
+            wire = self.slices.part(flat).contiguous()
+            self.bytes.whole += flat.numel() * flat.element_size()
+            self.bytes.sent += wire.numel() * wire.element_size()
+            self._isend(wire, dst, _message_tag(msg, i), about)
 
     def _isend(self, tensor: Tensor, dst: int, tag_: int, what: object) -> None:
         sender = self._sender

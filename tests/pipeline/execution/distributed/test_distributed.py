@@ -488,7 +488,8 @@ def test_receives_are_posted_ahead_within_the_byte_budget() -> None:
             return "work"
 
     ctx = SimpleNamespace(
-        layout=SimpleNamespace(pp_rank=1, global_rank=lambda r: r), device="cpu",
+        layout=SimpleNamespace(pp_rank=1, global_rank=lambda r: r, tensor_parallel=1,
+                               tp_rank=0), device="cpu",
         pp_group=Group(), wait_work=lambda work, peer, what: None,
     )
     msgs = [(Op.F, 0, m) for m in range(6)]  # 6 messages of 100 float32s (400 bytes) each

@@ -4,16 +4,19 @@ split per head) and a Llama (grouped-query attention, 4 heads and 2 kv heads, sh
 heads) at pp=2 x tp=2 under 1F1B and ZB-H1 (GPT-2 under interleaved 1F1B too), and at pp=1 x
 tp=2 x dp=2: two SGD steps give the unsplit model's loss, every gradient (`full_tensor()` of
 each sharded one) and the whole model's gradient norm from `clip_grad_norm_`, in float64 to
-1e-9, and `pipe.state_dict()` the unsplit model's whole tensors. The collectives of one forward
-of a tp=2 stage are counted with CommDebugMode: one all-reduce per row-parallel matmul (2 per
-transformer block) plus the vocab-parallel embedding's, one all-gather (the LM head's logits),
-no weight gathered; with sequence_parallel=True (Llama at pp=2, GPT-2 under ZB-H1) the same
-exactness, and 2 reduce-scatters and at most 2 all-gathers per block instead.
+1e-9, each tp rank sending 1/tp of each stage boundary's bytes (its slice, all-gathered by the
+next stage's tp ranks), and `pipe.state_dict()` the unsplit model's whole tensors. The
+collectives of one forward of a tp=2 stage are counted with CommDebugMode: one all-reduce per
+row-parallel matmul (2 per transformer block) plus the vocab-parallel embedding's, one
+all-gather (the LM head's logits), no weight gathered; with sequence_parallel=True (Llama at
+pp=2, GPT-2 under ZB-H1) the same exactness, and 2 reduce-scatters and at most 2 all-gathers
+per block instead.
 
 One launch runs every case. This file is also the worker: ``python <this file> tp OUT_DIR``."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,7 +92,10 @@ def _check(name: str, pp: int, schedule: str, sequence_parallel: bool = False) -
         expected.backward()
         pipe.zero_grad()
         mine = {"input_ids": x["input_ids"][d * ROWS:(d + 1) * ROWS]}
+        before = dataclasses.replace(pipe._executor.transport.bytes)
         loss = pipe.step(mine, y[d * ROWS:(d + 1) * ROWS])
+        if pp > 1:
+            _check_boundary_bytes(pipe, before, ref, label)
         torch.testing.assert_close(loss.double(), expected.detach(), atol=ATOL, rtol=0,
                                    msg=f"{label}: loss of step {step}")
         held = list(pipe.named_parameters())
@@ -114,6 +120,18 @@ def _check(name: str, pp: int, schedule: str, sequence_parallel: bool = False) -
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(state[k], v, atol=ATOL, rtol=0, msg=f"{label}: state {k}")
     return pipe
+
+
+def _check_boundary_bytes(pipe: Any, before: Any, ref: Any, label: str) -> None:
+    """Each tp rank put 1/tp of the boundary tensors of the step on the wire (its slice; the
+    next stage's tp ranks all-gather them): never tp whole copies. Every rank sends the hidden
+    state of each microbatch at least (stage 0 its activations, the last its gradients)."""
+    after = pipe._executor.transport.bytes
+    whole, sent = after.whole - before.whole, after.sent - before.sent
+    hidden = ref.config.hidden_size * SEQ * ROWS * 8  # float64, the microbatches together
+    assert whole >= hidden and sent * 2 == whole, f"{label}: {before} -> {after}"
+    if pipe.distributed.layout.dp_rank == 0:
+        print(f"{label}: boundary bytes of a step, whole {whole}, sent {sent}", flush=True)
 
 
 def _count_collectives(pipe: Any, layers: int, label: str,
