@@ -12,12 +12,13 @@ naming it and why; never silently, and never by failing the step."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from pipeline.execution.compiled.joint import JointGraphs, Partition, trace_joint
@@ -98,9 +100,13 @@ class _Compiled:
     """One graph and its compiled form: the first call compiles (timed into the stats); if
     compiling fails the graph runs as it is from then on, with a warning."""
 
-    def __init__(self, gm: Callable[..., Any], options: CompileOptions, what: str) -> None:
+    def __init__(self, gm: Callable[..., Any], options: CompileOptions, what: str,
+                 whole: bool = False) -> None:
         self.gm = gm
         self.what = what
+        # Traced by torch.compile with its backward (a DTensor region): called as it is, under
+        # the caller's autocast, which dynamo traces.
+        self.whole = whole
         self.compiled: Callable[..., Any] = options.compile(gm)
         # A graph the options leave as it is (graph-level recompute) has nothing to compile.
         self.run: Callable[..., Any] | None = gm if self.compiled is gm else None
@@ -229,6 +235,18 @@ class RegionFunction(torch.autograd.Function):
         return (None, None, None, *out)
 
 
+def _uncached() -> AbstractContextManager[Any]:
+    """Inductor's and AOTAutograd's on-disk caches off: an artefact of a DTensor region that
+    another process compiled and cached was served and ran wrong (a pp=2 x tp=2 loss off by
+    2%; exact with the caches off)."""
+    import torch._inductor.config as inductor
+
+    stack = ExitStack()
+    stack.enter_context(inductor.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
 def _no_autocast(device_type: str) -> AbstractContextManager[Any]:
     """Autocast off (the casts are in the traced graphs), entered only where it is on."""
     if torch.is_autocast_enabled(device_type):
@@ -251,7 +269,8 @@ def _signature(flat: Sequence[Any]) -> tuple[Any, ...]:
     for t in flat:
         if not isinstance(t, Tensor):
             raise TypeError(f"a {type(t).__name__} value crosses the region boundary")
-        sig.append((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad))
+        sig.append((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad,
+                    t.placements if isinstance(t, DTensor) else None))
     return tuple(sig)
 
 
@@ -313,6 +332,9 @@ class RegionRunner:
         if isinstance(art, str):
             return self.run(*flat)
         if isinstance(art, _Compiled):
+            if art.whole:
+                with _uncached():
+                    return art(self.stats, *flat)
             with _no_autocast(device_type):
                 return art(self.stats, *flat)
         if not self.splits:  # the whole backward always: no need to ask what it wants
@@ -359,7 +381,23 @@ class RegionRunner:
             self.signatures.add(key)
         return art
 
+    def _whole(self) -> _Compiled:
+        """A tensor-parallel region (DTensor weights and inputs), compiled by torch.compile:
+        AOTAutograd's joint export refuses a traceable tensor subclass, dynamo takes DTensors
+        (their collectives traced). Forward and backward are one autograd node (so B and W
+        are not kept apart: split-backward schedules are refused with tp and compile=). Static
+        shapes unless `dynamic=` says otherwise: a dynamic-shape trace of DTensor ops
+        overflows the recursion of torch's symbolic-size proxies."""
+        # Its backward may run twice (B, then W, the graph retained): AOTAutograd must donate
+        # no buffers, which it checks when the backward runs, so for the whole process.
+        options = self.options
+        if options.dynamic is None:
+            options = dataclasses.replace(options, dynamic=False)
+        return _Compiled(_Functional(self), options, f"{self.name} (DTensor)", whole=True)
+
     def _build(self, flat: Sequence[Tensor], training: bool, device_type: str) -> Any:
+        if any(isinstance(t, DTensor) for t in flat):
+            return self._whole()
         if not training:
             region = _Functional(self) if self.states else self.gm
             return _Compiled(region, self.options, f"{self.name} (forward only)")

@@ -170,7 +170,7 @@ class DistributedExecutor(Executor):
             )
         self._mine = {s: planned.modules[s] for s in schedule.stages_of(self.layout.pp_rank)}
         if self.layout.tensor_parallel > 1:  # the stages' graphs: the tensor-parallel pass
-            self._check_tensor_parallel()
+            self._check_tensor_parallel(schedule.splits_backward)
             with self.context.agreement.phase("the tensor-parallel plan"):
                 self.tp_plan = parallelize(planned, self._mine, self.context.tp_mesh,
                                            self.layout.tensor_parallel, self.settings.tp_plan)
@@ -185,16 +185,17 @@ class DistributedExecutor(Executor):
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         super().load(planned, loss_fn=loss_fn)
 
-    def _check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self, splits: bool) -> None:
         """What tensor parallelism does not compose with yet: a ValueError naming it and the
         fix, before any parameter is sharded (each composition needs its own exact test)."""
-        if self.compile is not None:
+        if self.compile is not None and splits:
             raise ValueError(
-                f"tensor_parallel={self.layout.tensor_parallel} does not compose with compile= "
-                "yet: the compiled regions are traced by torch's aot_export, which does not "
-                "take DTensor parameters ('aot_export is not currently supported with "
-                "traceable tensor subclass'; docs/tensor-parallel.md); drop compile=, or use "
-                "tensor_parallel=1"
+                f"tensor_parallel={self.layout.tensor_parallel} with compile= does not compose "
+                "with a split-backward schedule yet: a tensor-parallel region is compiled by "
+                "torch.compile with its forward and backward as one autograd node, whose "
+                "compiled backward cannot run for B and again for W (AOTAutograd's donated "
+                "buffers; docs/tensor-parallel.md); use a schedule without a split backward "
+                "(e.g. '1f1b'), or drop compile="
             )
 
     def _relocate(self, old: Decision, new: Decision, rebuild: Callable[[], None],

@@ -13,8 +13,11 @@ launched as torchrun does), against the unsplit model with the same microbatchin
 - ``mixed_precision=torch.bfloat16`` (CPU autocast): the loss and every gradient are within
   bf16's tolerance of the unsplit model under the same autocast, nearer to it than to the
   fp32 model, and the last stage's output is bf16 (a dropped autocast fails);
-- ``compile=`` is refused by name (the compiled regions' joint trace, torch's aot_export,
-  does not take DTensor parameters).
+- ``compile=`` (the regions of a tensor-parallel stage compiled by torch.compile with
+  inductor, DTensors and their collectives traced) on residual MLP blocks under 1F1B, two
+  steps: loss and every gradient equal to 1e-9 in float64 to the unsplit model compiled, no
+  region eager, and the compiled code ran (a backend counting the calls of inductor's code:
+  a silent eager fallback fails); a split-backward schedule with it is refused by name.
 
 One launch runs every case. This file is also the worker: ``python <this file> mix OUT_DIR``."""
 
@@ -70,17 +73,38 @@ class _Normed(nn.Module):
         return self.out(h)
 
 
+class _MLP(nn.Module):
+    """Residual MLP blocks (a column/row-parallel pair each): the tiniest tp model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}) for _ in range(2))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b["down"](torch.relu(b["up"](h)))
+        return self.out(h)
+
+
+TABULAR = ("normed", "mlp")  # tensors in, class labels out (the others: token ids)
+
+
 def _build(name: str, dtype: torch.dtype = torch.float64, init: float = 0.02) -> nn.Module:
     from tests.support.real_models import gpt2
 
     torch.manual_seed(0)
-    model = gpt2() if name == "gpt2" else _Normed() if name == "normed" else _llama(init)
+    models = {"gpt2": gpt2, "normed": _Normed, "mlp": _MLP}
+    model = models[name]() if name in models else _llama(init)
     return model.to(dtype)
 
 
 def _batch(name: str, step: int, dtype: torch.dtype = torch.float64) -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(900 + step)
-    if name == "normed":  # two rows a microbatch: BatchNorm needs more than one
+    if name in TABULAR:  # two rows a microbatch: BatchNorm needs more than one
         return (torch.randn(2 * ROWS, 4, generator=g).to(dtype),
                 torch.randint(0, 3, (2 * ROWS,), generator=g))
     return ({"input_ids": torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)},
@@ -96,19 +120,19 @@ def _whole(t: Any) -> torch.Tensor:
 def _loss(name: str) -> Callable[..., torch.Tensor]:
     from tests.support.models import lm_loss
 
-    return torch.nn.functional.cross_entropy if name == "normed" else lm_loss
+    return torch.nn.functional.cross_entropy if name in TABULAR else lm_loss
 
 
 def _reference(name: str, ref: nn.Module, x: Any, y: torch.Tensor, train: bool = True,
                autocast: AbstractContextManager[Any] | None = None) -> torch.Tensor:
     """The unsplit model microbatch by microbatch (the sum of loss_m * n_m / n, each
     microbatch's backward when `train`), the loss in fp32 or float64 as the pipeline's."""
-    xs = x.tensor_split(M) if name == "normed" else [
+    xs = x.tensor_split(M) if name in TABULAR else [
         {"input_ids": t} for t in x["input_ids"].tensor_split(M)]
     total = torch.zeros((), dtype=torch.float64)
     for xm, ym in zip(xs, y.tensor_split(M), strict=True):
         with autocast or nullcontext():
-            out = ref(xm) if name == "normed" else ref(**xm)
+            out = ref(xm) if name in TABULAR else ref(**xm)
         logits = getattr(out, "logits", out)
         if logits.dtype == torch.bfloat16:
             logits = logits.float()
@@ -139,11 +163,13 @@ def _pipeline(name: str, model: nn.Module, schedule: str, **options: Any) -> Any
 
 def _check(name: str, schedule: str = "1f1b", steps: int = 1, evaluate: bool = False,
            **options: Any) -> Any:
-    """`steps` SGD steps of a pp=2 x tp=2 Pipeline against the unsplit model: the loss,
-    every gradient and every buffer this process holds, to 1e-9 in float64; a recompute
-    policy recomputed blocks; with `evaluate`, then an evaluation in eval mode."""
+    """`steps` SGD steps of a pp=2 x tp=2 Pipeline against the unsplit model (compiled by
+    torch.compile under ``compile=``): the loss, every gradient and every buffer this process
+    holds, to 1e-9 in float64; a recompute policy recomputed blocks; with `evaluate`, then
+    an evaluation in eval mode."""
     start = time.perf_counter()
     ref, model = _build(name), _build(name)
+    run = torch.compile(ref) if options.get("compile") else ref
     label = f"{name} {schedule} {options}"
     pipe = _pipeline(name, model, schedule, **options)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
@@ -152,7 +178,7 @@ def _check(name: str, schedule: str = "1f1b", steps: int = 1, evaluate: bool = F
     for step in range(steps):
         x, y = _batch(name, step)
         ref.zero_grad()
-        expected = _reference(name, ref, x, y)
+        expected = _reference(name, run, x, y)
         pipe.zero_grad()
         loss = pipe.step(x, y)
         torch.testing.assert_close(loss.double(), expected, atol=ATOL, rtol=0,
@@ -224,9 +250,32 @@ def _bf16() -> None:
     print(f"bf16: loss off the unsplit autocast run {gap:.1e}, off fp32 {off:.1e}", flush=True)
 
 
-def _compile_refused() -> None:
-    with pytest.raises(ValueError, match=r"compile=.*aot_export"):
-        _pipeline("llama", _build("llama"), "1f1b", compile=True)
+COMPILED = [0]  # calls of the code inductor compiled for this process's regions
+
+
+def _counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """inductor, counting the calls of the code it compiled."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(gm, example_inputs)
+
+    def run(*args: Any) -> Any:
+        COMPILED[0] += 1
+        return compiled(*args)
+
+    return run
+
+
+def _compiled() -> None:
+    """compile=: exact against the unsplit model compiled, every region compiled (none
+    eager) and the compiled code run in each step."""
+    before = COMPILED[0]
+    pipe = _check("mlp", steps=2, compile={"backend": _counting})
+    stats = pipe.compile_stats
+    assert stats is not None and stats.graphs > 0 and stats.eager == {}, stats
+    assert COMPILED[0] > before, "no compiled code ran"
+    with pytest.raises(ValueError, match=r"compile=.*split-backward"):
+        _pipeline("mlp", _build("mlp"), "zb-h1", compile=True)
 
 
 def worker_mix(out: Path) -> None:
@@ -240,7 +289,7 @@ def worker_mix(out: Path) -> None:
     planner.capture = memo_capture()  # type: ignore[assignment]
     _policies_and_eval()
     _bf16()
-    _compile_refused()
+    _compiled()
     dist.destroy_process_group()
     print("worker mix: every check ran", flush=True)
 
