@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with one CUDA GPU (at most 12 minutes: the per-check limits
-# below add up to 720 s). It runs tests/pipeline/execution/test_cuda.py (the stream layer; the
+# One prepared check for a machine with CUDA GPUs (at most 13.5 minutes: the per-check limits
+# below add up to 810 s). It runs tests/pipeline/execution/test_cuda.py (the stream layer; the
 # local executor on CUDA streams for four schedules; bf16 and fp16 mixed precision on CUDA
 # against the unsplit model under torch.autocast("cuda") and torch.amp.GradScaler; Llama captured on CPU then run
 # on CUDA, exact in float64; every activation policy on CUDA (offload keeping nothing on the
@@ -9,8 +9,13 @@
 # with mode="max-autotune-no-cudagraphs", 1F1B and ZB-H1 against the eager pipeline), the CPU
 # mixed-precision tests, a short bf16-vs-fp32 step timing on the GPU and the activation-policy
 # benchmark on CUDA (benchmarks/bench_activations.py with BENCH_DEVICE=cuda, 2 rounds),
+# tensor parallelism over NCCL (scripts/tp_device_check.py under torchrun, one process per GPU:
+# GPT-2 at tp=2, pp=2 x tp=2 with 4 GPUs, fp32 and bf16 autocast against the unsplit model),
 # then prints a summary. Exits non-zero when a check fails, times out or is skipped (a skipped
-# CUDA test means no CUDA). Needs no network: it uses $PYTHON, else .venv/bin/python, else
+# CUDA test means no CUDA). The tensor-parallel check needs 2 GPUs (NCCL refuses two ranks on
+# one device): with fewer it is listed as NOT RUN in the summary, counted neither as a pass
+# nor as a failure (the exit status stays 0 if everything else passed, and the last line
+# names what did not run). Needs no network: it uses $PYTHON, else .venv/bin/python, else
 # python3, with torch (and transformers, for Llama) already installed.
 # Run: bash scripts/gpu_check.sh      (logs in $GPU_CHECK_LOGS, default a temporary folder)
 set -uo pipefail
@@ -123,14 +128,32 @@ PYEOF
 check activations-cuda 130 env BENCH_DEVICE=cuda BENCH_ROUNDS=2 "$PY" benchmarks/bench_activations.py
 cp benchmarks/results/activations_cuda.md "$LOGS/" 2>/dev/null
 
+# Tensor parallelism over NCCL: one process per GPU (cuda:LOCAL_RANK), 2 or 4 of them.
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+NOT_RUN=()
+if [ "${GPUS:-0}" -ge 2 ]; then
+  if [ "$GPUS" -ge 4 ]; then RANKS=4; else RANKS=2; fi
+  check tp-nccl 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$RANKS" \
+    scripts/tp_device_check.py --device cuda
+else
+  echo "== tp-nccl"
+  echo "NOT RUN: tensor parallelism over NCCL needs 2 GPUs, this machine has ${GPUS:-0}"
+  NAMES+=("tp-nccl")
+  VERDICTS+=("NOT RUN (needs 2 GPUs)")
+  SECONDS_TAKEN+=(0)
+  NOT_RUN+=("tp-nccl")
+fi
+
 echo
 echo "== summary (logs in $LOGS)"
 for i in "${!NAMES[@]}"; do
   printf '%-16s %-24s %5s s\n' "${NAMES[$i]}" "${VERDICTS[$i]}" "${SECONDS_TAKEN[$i]}"
 done
-if [ "$FAILED" -eq 0 ]; then
+if [ "$FAILED" -eq 0 ] && [ "${#NOT_RUN[@]}" -gt 0 ]; then
+  echo "gpu_check: every check that ran passed; NOT RUN: ${NOT_RUN[*]}"
+elif [ "$FAILED" -eq 0 ]; then
   echo "gpu_check: every check passed"
 else
-  echo "gpu_check: some checks failed (see their logs above)"
+  echo "gpu_check: some checks failed (see their logs above)${NOT_RUN[*]:+; NOT RUN: ${NOT_RUN[*]}}"
 fi
 exit "$FAILED"
