@@ -20,7 +20,8 @@ model):
   replicate the group.
 - A token embedding (its indices come from an input) is vocab-parallel when tp divides the
   vocabulary; a projection that reaches the model's output with no row-parallel partner (an
-  LM head) is column-parallel and its output gathered.
+  LM head) is column-parallel, its logits split by class for a loss-parallel loss (else
+  gathered; pipeline.execution.loss_parallel).
 - Everything else (norms, position tables, biases after a row-parallel matmul, anything the
   rules do not cover) is replicated: correct (DTensor computes any op on replicated tensors
   as the unsplit model), and reported with the bytes each process holds for it.
@@ -94,15 +95,28 @@ class Placement:
     chunks: int = 1  # >1: a fused projection, each of its equal chunks split (strided)
 
 
+@dataclass
+class LossChoice:
+    """How the last stage's loss meets a column-parallel LM head's logits: `used` is
+    "undecided" until its first microbatch, then "parallel" (the loss_fn ran under torch's
+    loss_parallel on the logits split by class, no all-gather) or "gathered" (the logits
+    made whole first); `why` says what decided it."""
+
+    used: str = "undecided"
+    why: str = "no training microbatch has reached the last stage on this process yet"
+
+
 @dataclass(frozen=True)
 class TPPlan:
     """The tensor-parallel plan: `degree` ranks, each parameter's `Placement` by the name the
-    captured graph reads it under; `source` "derived" or "given"."""
+    captured graph reads it under; `source` "derived" or "given"; `loss`, how the loss
+    was computed (filled in by the last stage's processes)."""
 
     degree: int
     params: Mapping[str, Placement]
     source: str = "derived"
     notes: tuple[str, ...] = field(default=())
+    loss: LossChoice = field(default_factory=LossChoice, compare=False)
 
     def style(self, name: str) -> str:
         """The style that placed parameter `name` ("replicate" when unknown)."""
@@ -149,6 +163,7 @@ class TPPlan:
         lines.append(f"  replicated: {len(kept)} of {len(chosen)} parameters, "
                      f"{sum(p.bytes for p in kept)} of {total} bytes held whole on every rank")
         lines.extend(f"  note: {n}" for n in self.notes)
+        lines.append(f"  loss: {self.loss.used} ({self.loss.why})")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -511,7 +526,8 @@ def _heads_and_embeddings(build: _Builder, gm: fx.GraphModule,
         mm = matmuls[node]
         if reach.output and not reach.rows and reach.stop is None and mm.weight not in \
                 build.chosen:
-            build.set(mm.weight, mm.out_dim, "colwise", "LM head: column-parallel, output gathered")
+            build.set(mm.weight, mm.out_dim, "colwise", "LM head: column-parallel, logits "
+                      "split by class (loss parallel) or gathered")
             if mm.bias is not None:
                 build.set(mm.bias, 0, "colwise", "bias of a column-parallel LM head")
     for node in gm.graph.nodes:

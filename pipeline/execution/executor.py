@@ -92,7 +92,7 @@ class Executor(ABC):
             device=self.devices[schedule.placement[s]], units=tuple(planned.plan.stages[s]),
             splits=schedule.splits_backward, policy=self.activations[s],
             precision=self.precision, compile=self.compile, compile_stats=self.compile_stats,
-            dist=self.context, tp_plan=self.tp_plan,
+            dist=self.context, tp_plan=self.tp_plan, last=s == schedule.num_stages - 1,
         )
         stage = prepare(module, self.settings, context)
         self.prepared[s] = stage

@@ -11,9 +11,10 @@ A stage takes plain tensors and returns plain tensors: its floating-point inputs
 Replicate DTensors (their gradient is all-reduced back to a whole one), integer inputs stay
 plain (token ids, masks: DTensor replicates them where they meet a sharded tensor), and its
 outputs are made whole (Replicate) before they leave, so the pipeline's transport and loss see
-what the unsplit model computes. Every tp rank of a stage sends its 1/tp slice of each
-boundary tensor to the same tp rank of the next stage, whose tp ranks all-gather the slices
-(pipeline.execution.distributed.p2p)."""
+what the unsplit model computes; the last stage's logits split by class (a column-parallel LM
+head's) stay split for a training loss under loss parallelism (pipeline.execution.loss_parallel).
+Every tp rank of a stage sends its 1/tp slice of each boundary tensor to the same tp rank of
+the next stage, whose tp ranks all-gather the slices (pipeline.execution.distributed.p2p)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
-from partitioner.tp_plan import TPPlan, derive_tp_plan, given_tp_plan, matmul_of
+from partitioner.tp_plan import LossChoice, TPPlan, derive_tp_plan, given_tp_plan, matmul_of
+from pipeline.execution.loss_parallel import by_classes
 from pipeline.planning.decision import Decision
 
 aten = torch.ops.aten
@@ -363,10 +365,12 @@ class TensorParallelStage:
     parameters, or its blocks under a recompute policy), on plain tensors: see the module
     docstring. `floats`: per input, whether it enters as a Replicate DTensor."""
 
-    def __init__(self, inner: Callable[..., Any], mesh: DeviceMesh, floats: list[bool]) -> None:
+    def __init__(self, inner: Callable[..., Any], mesh: DeviceMesh, floats: list[bool],
+                 loss: LossChoice | None = None) -> None:
         self.mesh = mesh
         self.inner = inner
         self.floats = floats
+        self.loss = loss
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mesh = self.mesh
@@ -374,10 +378,14 @@ class TensorParallelStage:
                   for a, f in zip(args, self.floats, strict=False)]
         with implicit_replication():
             out = self.inner(*inputs, **kwargs)
-        return tree_map(self._whole, out)
+        # The last stage's logits split by class stay so for a training loss (loss
+        # parallelism, pipeline.execution.loss_parallel) unless it chose to gather them.
+        keep = (self.loss is not None and self.loss.used != "gathered"
+                and torch.is_grad_enabled())
+        return tree_map(partial(self._whole, keep=keep), out)
 
-    def _whole(self, t: Any) -> Any:
-        if isinstance(t, DTensor):
+    def _whole(self, t: Any, keep: bool = False) -> Any:
+        if isinstance(t, DTensor) and not (keep and by_classes(t)):
             return t.redistribute(self.mesh, [Replicate()]).to_local()
         return t
 
@@ -398,12 +406,13 @@ def _current_code(module: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     return type(module).forward(module, *args, **kwargs)
 
 
-def boundary(module: fx.GraphModule, mesh: DeviceMesh
+def boundary(module: fx.GraphModule, mesh: DeviceMesh, loss: LossChoice | None = None,
              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """How any forward of the edited stage `module` (its blocks recomputed, its compiled
-    regions, under autocast) is run on plain tensors: wrapped as `TensorParallelStage`."""
+    regions, under autocast) is run on plain tensors: wrapped as `TensorParallelStage`
+    (`loss`: the last stage's loss choice, whose logits may stay split by class)."""
     floats = float_inputs(module)
-    return partial(TensorParallelStage, mesh=mesh, floats=floats)
+    return partial(TensorParallelStage, mesh=mesh, floats=floats, loss=loss)
 
 
 def _warn_undivided(plan: TPPlan) -> None:

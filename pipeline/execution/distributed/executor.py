@@ -66,6 +66,7 @@ from pipeline.execution.distributed.step_end import StepEnd
 from pipeline.execution.distributed.ties import TieSync, find_ties
 from pipeline.execution.executor import Executor, meta_message
 from pipeline.execution.grads import running_statistics
+from pipeline.execution.loss_parallel import ParallelLoss, parallel_loss
 from pipeline.execution.materialize import meta_tensors
 from pipeline.execution.passes import PreparedStage
 from pipeline.execution.processes import Processes
@@ -174,6 +175,9 @@ class DistributedExecutor(Executor):
             with self.context.agreement.phase("the tensor-parallel plan"):
                 self.tp_plan = parallelize(planned, self._mine, self.context.tp_mesh,
                                            self.layout.tensor_parallel, self.settings.tp_plan)
+            loss_fn = parallel_loss(loss_fn, self.tp_plan.loss)  # loss parallelism
+        elif isinstance(loss_fn, ParallelLoss):  # relaid out without tp
+            loss_fn = loss_fn.loss_fn
         ties = find_ties(planned.model, planned.modules, schedule.placement)
         self.ties = TieSync(self.context, planned.model, ties)
         kept = {id(t) for m in self._mine.values() for t in (*m.parameters(), *m.buffers())}

@@ -39,7 +39,7 @@ class StageContext:
     scaler is shared) and `compile` options (GIL-free for rank threads on CPU) with their
     `compile_stats`; `dist`, the process groups and DeviceMesh under torchrun (None in one
     process); `tp_plan`, the tensor-parallel plan the executor sharded the held parameters
-    by (None at tensor_parallel=1)."""
+    by (None at tensor_parallel=1); `last`, whether it is the last stage (it computes the loss)."""
 
     device: torch.device
     units: tuple[str, ...]
@@ -50,6 +50,7 @@ class StageContext:
     compile_stats: CompileStats
     dist: DistContext | None = None
     tp_plan: TPPlan | None = None
+    last: bool = False
 
 
 def _as_is(runs: nn.Module, enter: Enter, restoring: Restoring) -> Callable[..., Any]:

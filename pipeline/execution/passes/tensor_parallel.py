@@ -11,7 +11,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from pipeline.execution.passes.stage import PreparedStage, StageContext
-from pipeline.execution.tensor_parallel import boundary
+from pipeline.execution.tensor_parallel import TensorParallelStage, boundary
 from pipeline.execution.tensor_parallel import tensor_parallel as run_on_mesh
 from pipeline.planning.settings import PipelineSettings
 
@@ -29,10 +29,13 @@ def tensor_parallel(
     if module.__dict__.get("_tp_graph") is not module.graph:  # new code: edited once
         run_on_mesh(module, plan, dist.tp_mesh, settings.sequence_parallel)
         module.__dict__["_tp_graph"] = module.graph
+    loss = plan.loss if context.last else None  # the last stage's logits may stay split
+    if isinstance(module.forward, TensorParallelStage):
+        module.forward.loss = loss
     params = list(module.parameters())
     sharded = sum(1 for p in params if isinstance(p, DTensor)
                   and not all(q.is_replicate() for q in p.placements))
     sequence = ", sequence parallel" if settings.sequence_parallel else ""
     return stage.then(f"tensor parallel: {sharded} of {len(params)} parameters sharded over "
                       f"{settings.tensor_parallel} ranks ({plan.source} plan{sequence})",
-                      boundary=boundary(module, dist.tp_mesh))
+                      boundary=boundary(module, dist.tp_mesh, loss))

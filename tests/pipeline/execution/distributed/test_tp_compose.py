@@ -13,6 +13,9 @@ launched as torchrun does), against the unsplit model with the same microbatchin
 - ``mixed_precision=torch.bfloat16`` (CPU autocast): the loss and every gradient are within
   bf16's tolerance of the unsplit model under the same autocast, nearer to it than to the
   fp32 model, and the last stage's output is bf16 (a dropped autocast fails);
+- loss parallelism: Llama's cross entropy (lm_loss) runs on the logits split by class under
+  torch's loss_parallel, exact as above; a cross entropy with label smoothing (which
+  loss_parallel does not take) falls back to the gathered logits, exact, the plan saying why;
 - ``compile=`` (the regions of a tensor-parallel stage compiled by torch.compile with
   inductor, DTensors and their collectives traced) on residual MLP blocks under 1F1B, two
   steps: loss and every gradient equal to 1e-9 in float64 to the unsplit model compiled, no
@@ -117,10 +120,19 @@ def _whole(t: Any) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _smoothed(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """A cross entropy with label smoothing: torch's loss_parallel does not take it (it
+    raises), so the logits are gathered."""
+    logits = out.logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                             target.reshape(-1), label_smoothing=0.1)
+
+
 def _loss(name: str) -> Callable[..., torch.Tensor]:
     from tests.support.models import lm_loss
 
-    return torch.nn.functional.cross_entropy if name in TABULAR else lm_loss
+    return torch.nn.functional.cross_entropy if name in TABULAR else \
+        _smoothed if name == "llama smoothed" else lm_loss
 
 
 def _reference(name: str, ref: nn.Module, x: Any, y: torch.Tensor, train: bool = True,
@@ -189,6 +201,9 @@ def _check(name: str, schedule: str = "1f1b", steps: int = 1, evaluate: bool = F
                                        msg=f"{label}: grad of {k}, step {step}")
         opt.step()
         ref_opt.step()
+    if pipe.distributed.layout.pp_rank == 1:  # the last stage: how the loss met the logits
+        used = "gathered" if name in TABULAR or name == "llama smoothed" else "parallel"
+        assert pipe.tp_plan.loss.used == used, f"{label}: {pipe.tp_plan.loss}"
     policy = pipe.plan.activations or options.get("checkpoint_activations", "none")
     if isinstance(policy, list):  # one stage per pipeline rank: the one this process holds
         policy = policy[pipe.distributed.layout.pp_rank]
@@ -212,7 +227,11 @@ def _check(name: str, schedule: str = "1f1b", steps: int = 1, evaluate: bool = F
 
 
 def _policies_and_eval() -> None:
-    _check("llama", checkpoint_activations=["full", "selective"])
+    _check("llama", checkpoint_activations=["full", "selective"])  # loss parallel
+    pipe = _check("llama smoothed", steps=2)  # loss_parallel raises: the logits gathered
+    if pipe.distributed.layout.pp_rank == 1:
+        assert "label_smoothing" in pipe.tp_plan.loss.why or "raised" in \
+            pipe.tp_plan.loss.why, pipe.tp_plan.loss
     _check("gpt2", "zb-h1", checkpoint_activations=["selective", "offload"])
     # "auto" under a tight limit recomputes; BatchNorm's statistics stay exact, and eval
     # mode (another capture) reads them.
