@@ -175,7 +175,7 @@ def report(data: dict[str, Any]) -> str:
         "",
         f"Collectives of one forward of the tp=2 stage ({wide['blocks']} blocks): "
         f"{wide['collectives']} (expected: 2 all-reduces per block, 1 for the vocab-parallel "
-        "embedding, 1 all-gather of the logits; no weight gathered).",
+        "embedding, no all-gather of the logits under loss parallelism; no weight gathered).",
     ]
     return "\n".join(lines)
 

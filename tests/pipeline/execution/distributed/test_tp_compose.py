@@ -123,7 +123,7 @@ def _whole(t: Any) -> torch.Tensor:
 def _smoothed(out: Any, target: torch.Tensor) -> torch.Tensor:
     """A cross entropy with label smoothing: torch's loss_parallel does not take it (it
     raises), so the logits are gathered."""
-    logits = out.logits
+    logits = getattr(out, "logits", out)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
                                              target.reshape(-1), label_smoothing=0.1)
 
